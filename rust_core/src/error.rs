@@ -1,0 +1,53 @@
+//! Errors of the planner core: each says what is wrong and what would fix it.
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CoreError {
+    /// The profile or plan JSON could not be read.
+    Format(String),
+    /// The profile is structurally invalid (cycle, unknown input, negative size, ...).
+    InvalidProfile(String),
+    /// A plan does not fit the profile it is applied to.
+    InvalidPlan(String),
+    /// The budget is below what any plan can reach.
+    BudgetBelowLowerBound { budget: u64, lower_bound: u64 },
+    /// The search found no plan within the budget.
+    NoFeasiblePlan { budget: u64, smallest_known: u64, lower_bound: u64 },
+    /// A search setting is out of range.
+    InvalidSetting(String),
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+impl fmt::Display for CoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CoreError::Format(m) => write!(f, "cannot read file: {m}"),
+            CoreError::InvalidProfile(m) => write!(f, "invalid profile: {m}"),
+            CoreError::InvalidPlan(m) => write!(f, "invalid plan: {m}"),
+            CoreError::BudgetBelowLowerBound { budget, lower_bound } => write!(
+                f,
+                "budget {budget} bytes ({}) is below the lower bound of any plan for this profile, \
+                 {lower_bound} bytes ({}): give a budget of at least {lower_bound} bytes, or a smaller batch",
+                mib(*budget),
+                mib(*lower_bound)
+            ),
+            CoreError::NoFeasiblePlan { budget, smallest_known, lower_bound } => write!(
+                f,
+                "no plan found within the budget of {budget} bytes ({}); the smallest budget a known plan \
+                 meets is {smallest_known} bytes ({}) (lower bound {lower_bound} bytes): raise the budget \
+                 to at least {smallest_known} bytes, or search longer",
+                mib(*budget),
+                mib(*smallest_known)
+            ),
+            CoreError::InvalidSetting(m) => write!(f, "invalid setting: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for CoreError {}
+
+pub type Result<T> = std::result::Result<T, CoreError>;

@@ -1,0 +1,463 @@
+//! The policy evaluator (HOME Algorithm 2): a deterministic simulation of one training step over
+//! a compute stream and one FIFO copy stream. The rules are written down in docs/cost-model.md;
+//! this file is their only implementation.
+
+use crate::action::Action;
+use crate::profile::Graph;
+use std::cmp::Ordering;
+
+/// Settings of the simulation that are not part of the profile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalOptions {
+    /// A prefetch may be issued up to this many backward stages before the stage that needs it.
+    pub prefetch_lookahead: usize,
+}
+
+impl Default for EvalOptions {
+    fn default() -> Self {
+        EvalOptions { prefetch_lookahead: 2 }
+    }
+}
+
+/// The fitness of a plan: feasible plans beat infeasible ones; among infeasible ones the smaller
+/// excess over the budget wins; then the shorter step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Score {
+    pub feasible: bool,
+    pub excess: u64,
+    pub time: f64,
+}
+
+impl Score {
+    pub const WORST: Score = Score { feasible: false, excess: u64::MAX, time: f64::INFINITY };
+
+    pub fn better_than(&self, other: &Score) -> bool {
+        self.cmp_key(other) == Ordering::Less
+    }
+
+    pub fn cmp_key(&self, other: &Score) -> Ordering {
+        match (self.feasible, other.feasible) {
+            (true, false) => Ordering::Less,
+            (false, true) => Ordering::Greater,
+            (true, true) => self.time.total_cmp(&other.time),
+            (false, false) => self.excess.cmp(&other.excess).then(self.time.total_cmp(&other.time)),
+        }
+    }
+}
+
+/// Which stage of the step: forward or backward of a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Start,
+    Fwd(usize),
+    Bwd(usize),
+}
+
+impl Stage {
+    pub fn label(&self) -> String {
+        match self {
+            Stage::Start => "start".into(),
+            Stage::Fwd(i) => format!("fwd:{i}"),
+            Stage::Bwd(i) => format!("bwd:{i}"),
+        }
+    }
+}
+
+/// One point of the memory curve: the stage, when it starts, memory at its start and its peak.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CurvePoint {
+    pub stage: Stage,
+    pub start_time: f64,
+    pub mem_start: u64,
+    pub peak: u64,
+}
+
+/// The full result of one evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub step_time: f64,
+    pub compute_time: f64,
+    pub swap_stall: f64,
+    pub recompute: f64,
+    pub copy_time: f64,
+    pub overlapped_copy: f64,
+    pub peak_bytes: u64,
+    pub peak_stage: Stage,
+    pub feasible: bool,
+    pub excess: u64,
+    pub reason: Option<String>,
+    pub curve: Vec<CurvePoint>,
+    /// (unit, backward stage at whose start its prefetch is issued), in issue order.
+    pub prefetch: Vec<(usize, usize)>,
+}
+
+impl Outcome {
+    pub fn score(&self) -> Score {
+        Score { feasible: self.feasible, excess: self.excess, time: self.step_time }
+    }
+}
+
+/// Reusable buffers so that evaluations in a search do not allocate.
+#[derive(Debug, Default, Clone)]
+pub struct Scratch {
+    resident: Vec<bool>,
+    host: Vec<bool>,
+    ready: Vec<f64>,
+    in_queue: Vec<bool>,
+    queue: Vec<(f64, u32)>,
+}
+
+impl Scratch {
+    pub fn new(n: usize) -> Scratch {
+        let mut s = Scratch::default();
+        s.reset(n);
+        s
+    }
+
+    fn reset(&mut self, n: usize) {
+        self.resident.clear();
+        self.resident.resize(n, false);
+        self.host.clear();
+        self.host.resize(n, false);
+        self.ready.clear();
+        self.ready.resize(n, 0.0);
+        self.in_queue.clear();
+        self.in_queue.resize(n, false);
+        self.queue.clear();
+    }
+}
+
+struct Sim<'a> {
+    g: &'a Graph,
+    actions: &'a [Action],
+    budget: u64,
+    lookahead: usize,
+    record: bool,
+    s: &'a mut Scratch,
+    head: usize,
+    t: f64,
+    copy_free: f64,
+    mem: u64,
+    peak: u64,
+    peak_stage: Stage,
+    stall: f64,
+    recompute: f64,
+    copy_time: f64,
+    excess: u64,
+    reason: Option<String>,
+    stage: Stage,
+    stage_start_mem: u64,
+    stage_peak: u64,
+    curve: Vec<CurvePoint>,
+    prefetch: Vec<(usize, usize)>,
+}
+
+impl<'a> Sim<'a> {
+    /// Release swap-outs whose copy has completed by now.
+    fn release_completed(&mut self) {
+        while self.head < self.s.queue.len() {
+            let (end, u) = self.s.queue[self.head];
+            if end > self.t {
+                break;
+            }
+            self.head += 1;
+            self.release(u as usize);
+        }
+    }
+
+    fn release(&mut self, u: usize) {
+        if self.s.in_queue[u] {
+            self.s.in_queue[u] = false;
+            self.s.resident[u] = false;
+            self.mem -= self.g.act[u];
+        }
+    }
+
+    /// Before something that needs `extra` bytes on top of `mem`: wait for queued swap-outs
+    /// (in FIFO order) until it fits; if nothing is left to wait for, record the excess.
+    fn make_room(&mut self, extra: u64) {
+        while self.mem + extra > self.budget && self.head < self.s.queue.len() {
+            let (end, u) = self.s.queue[self.head];
+            self.head += 1;
+            if !self.s.in_queue[u as usize] {
+                continue;
+            }
+            if end > self.t {
+                self.stall += end - self.t;
+                self.t = end;
+            }
+            self.release(u as usize);
+        }
+        let total = self.mem + extra;
+        if total > self.budget {
+            let over = total - self.budget;
+            if self.excess == 0 && self.reason.is_none() {
+                self.reason = Some(format!(
+                    "stage {} needs {} bytes with nothing left to swap out, over the budget by {} bytes",
+                    self.stage.label(),
+                    total,
+                    over
+                ));
+            }
+            self.excess = self.excess.max(over);
+        }
+        self.touch(total);
+    }
+
+    fn touch(&mut self, bytes: u64) {
+        if bytes > self.stage_peak {
+            self.stage_peak = bytes;
+        }
+        if bytes > self.peak {
+            self.peak = bytes;
+            self.peak_stage = self.stage;
+        }
+    }
+
+    fn begin_stage(&mut self, stage: Stage) {
+        self.stage = stage;
+        self.release_completed();
+        self.stage_start_mem = self.mem;
+        self.stage_peak = self.mem;
+        self.touch(self.mem);
+    }
+
+    fn end_stage(&mut self, start_time: f64) {
+        if self.record {
+            self.curve.push(CurvePoint {
+                stage: self.stage,
+                start_time,
+                mem_start: self.stage_start_mem,
+                peak: self.stage_peak,
+            });
+        }
+    }
+
+    fn issue_swap_out(&mut self, u: usize) {
+        let dur = self.g.act[u] as f64 / self.g.d2h;
+        let start = self.t.max(self.copy_free);
+        let end = start + dur;
+        self.copy_free = end;
+        self.copy_time += dur;
+        self.s.queue.push((end, u as u32));
+        self.s.in_queue[u] = true;
+        self.s.host[u] = true;
+    }
+
+    fn issue_prefetch(&mut self, u: usize, at_stage: usize) {
+        if self.record {
+            self.prefetch.push((u, at_stage));
+        }
+        if self.s.in_queue[u] {
+            // Its swap-out has not completed: the device copy is still alive, keep it.
+            self.s.in_queue[u] = false;
+            self.s.ready[u] = self.t;
+            return;
+        }
+        let dur = self.g.act[u] as f64 / self.g.h2d;
+        let start = self.t.max(self.copy_free);
+        let end = start + dur;
+        self.copy_free = end;
+        self.copy_time += dur;
+        self.mem += self.g.act[u];
+        self.touch(self.mem);
+        self.s.resident[u] = true;
+        self.s.ready[u] = end;
+    }
+
+    /// Make unit `u`'s activations resident and ready at the current backward stage `i`.
+    fn ensure(&mut self, u: usize, i: usize) {
+        if self.s.resident[u] {
+            // A swap-out still in flight is cancelled: the device copy is used as it is.
+            self.s.in_queue[u] = false;
+            let ready = self.s.ready[u];
+            if ready > self.t {
+                self.stall += ready - self.t;
+                self.t = ready;
+            }
+            return;
+        }
+        if self.actions[u] == Action::Swap && self.s.host[u] {
+            self.issue_prefetch(u, i);
+            self.ensure(u, i);
+            return;
+        }
+        self.replay(u, i);
+    }
+
+    /// Replay unit `u`'s forward, chaining through inputs that are not resident.
+    fn replay(&mut self, u: usize, i: usize) {
+        let g = self.g;
+        for &p in &g.inputs[u] {
+            if g.out_saved[p] && g.act[p] > 0 {
+                self.ensure(p, i);
+            }
+        }
+        let alloc = g.act[u] + if g.out_saved[u] { 0 } else { g.out[u] };
+        self.make_room(alloc + g.fwd_transient[u]);
+        self.t += g.fwd_time[u];
+        self.recompute += g.fwd_time[u];
+        self.mem += g.act[u];
+        self.s.resident[u] = true;
+        self.s.ready[u] = self.t;
+        // Inputs materialised only for this replay whose last reader has already run: free them.
+        for &p in &g.inputs[u] {
+            if let Some(lu) = g.last_use[p] {
+                if lu > i && self.s.resident[p] && !self.s.in_queue[p] {
+                    self.s.resident[p] = false;
+                    self.mem -= g.act[p];
+                }
+            }
+        }
+    }
+}
+
+/// Evaluate `actions` on the profile graph under `budget` bytes.
+///
+/// `record` fills the memory curve and the prefetch schedule (slower; the search passes false).
+pub fn evaluate(
+    g: &Graph,
+    actions: &[Action],
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    record: bool,
+) -> Outcome {
+    assert_eq!(actions.len(), g.n, "one action per unit");
+    let n = g.n;
+    scratch.reset(n);
+    let mut sim = Sim {
+        g,
+        actions,
+        budget,
+        lookahead: opts.prefetch_lookahead,
+        record,
+        s: scratch,
+        head: 0,
+        t: 0.0,
+        copy_free: 0.0,
+        mem: g.constant,
+        peak: g.constant,
+        peak_stage: Stage::Start,
+        stall: 0.0,
+        recompute: 0.0,
+        copy_time: 0.0,
+        excess: 0,
+        reason: None,
+        stage: Stage::Start,
+        stage_start_mem: g.constant,
+        stage_peak: g.constant,
+        curve: Vec::new(),
+        prefetch: Vec::new(),
+    };
+    if g.constant > budget {
+        sim.excess = g.constant - budget;
+        sim.reason = Some(format!(
+            "the constant memory ({} bytes) alone exceeds the budget",
+            g.constant
+        ));
+    }
+
+    // Forward stages.
+    for i in 0..n {
+        let t0 = sim.t;
+        sim.begin_stage(Stage::Fwd(i));
+        let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
+        if actions[i] == Action::Recompute {
+            alloc += g.held[i];
+        }
+        sim.make_room(alloc + g.fwd_transient[i]);
+        sim.t += g.fwd_time[i];
+        sim.mem += alloc;
+        sim.s.resident[i] = true;
+        sim.s.ready[i] = sim.t;
+        for &u in &g.releases_after_fwd[i] {
+            if !g.out_saved[u] {
+                sim.mem -= g.out[u];
+            }
+            if g.act[u] == 0 {
+                continue;
+            }
+            match actions[u] {
+                Action::Retain => {}
+                Action::Recompute => {
+                    sim.s.resident[u] = false;
+                    sim.mem -= g.act[u];
+                }
+                Action::Swap => sim.issue_swap_out(u),
+            }
+        }
+        sim.touch(sim.mem);
+        sim.end_stage(t0);
+    }
+
+    // Backward stages, last unit first. Prefetch candidates in the order the backward needs them.
+    let mut next = 0usize;
+    for i in (0..n).rev() {
+        let t0 = sim.t;
+        sim.begin_stage(Stage::Bwd(i));
+        // Issue prefetches whose need is within the lookahead window, most urgent first, while
+        // they fit; the one needed by this very stage is issued regardless (in `ensure`).
+        while next < g.need_order.len() {
+            let u = g.need_order[next];
+            let need = g.first_need[u].unwrap_or(0);
+            if need + sim.lookahead < i {
+                break;
+            }
+            if need > i || actions[u] != Action::Swap || !sim.s.host[u] || sim.s.resident[u] && !sim.s.in_queue[u] {
+                next += 1;
+                continue;
+            }
+            let fits = sim.mem + g.act[u] + g.bwd_transient[i] + g.grad[i] <= budget;
+            if need < i && !fits {
+                break;
+            }
+            sim.issue_prefetch(u, i);
+            next += 1;
+        }
+        for k in 0..g.needs[i].len() {
+            let u = g.needs[i][k];
+            sim.ensure(u, i);
+        }
+        sim.make_room(g.bwd_transient[i] + g.grad[i]);
+        sim.t += g.bwd_time[i];
+        sim.mem += g.grad[i];
+        for &u in &g.frees_after_bwd[i] {
+            if sim.s.resident[u] {
+                sim.s.resident[u] = false;
+                if sim.s.in_queue[u] {
+                    sim.s.in_queue[u] = false;
+                }
+                sim.mem -= g.act[u];
+            }
+        }
+        if actions[i] == Action::Recompute {
+            sim.mem -= g.held[i];
+        }
+        sim.touch(sim.mem);
+        sim.end_stage(t0);
+    }
+
+    let compute_time: f64 = g.fwd_time.iter().sum::<f64>() + g.bwd_time.iter().sum::<f64>();
+    let feasible = sim.excess == 0;
+    Outcome {
+        step_time: sim.t,
+        compute_time,
+        swap_stall: sim.stall,
+        recompute: sim.recompute,
+        copy_time: sim.copy_time,
+        overlapped_copy: (sim.copy_time - sim.stall).max(0.0),
+        peak_bytes: sim.peak,
+        peak_stage: sim.peak_stage,
+        feasible,
+        excess: sim.excess,
+        reason: if feasible { None } else { sim.reason },
+        curve: sim.curve,
+        prefetch: sim.prefetch,
+    }
+}
+
+/// Score only (the search's hot path).
+pub fn score(g: &Graph, actions: &[Action], budget: u64, opts: &EvalOptions, scratch: &mut Scratch) -> Score {
+    evaluate(g, actions, budget, opts, scratch, false).score()
+}

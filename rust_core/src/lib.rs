@@ -1,0 +1,28 @@
+//! tensorplace's planner core: plain Rust, no Python (the PyO3 layer is `python.rs`, behind the
+//! `python` feature).
+//!
+//! - [`profile`]: the Profile format and its validated graph.
+//! - [`evaluator`]: the time-cost model (HOME Algorithm 2), docs/cost-model.md.
+//! - [`peak`]: peak analysis and the lower bound of any plan.
+//! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3).
+//! - [`exhaustive`]: every plan of a tiny profile.
+//! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
+
+pub mod action;
+pub mod error;
+pub mod evaluator;
+pub mod exhaustive;
+pub mod peak;
+pub mod plan;
+pub mod planner;
+pub mod profile;
+pub mod pso;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use action::Action;
+pub use error::{CoreError, Result};
+pub use evaluator::{evaluate, EvalOptions, Outcome, Score, Scratch, Stage};
+pub use plan::Plan;
+pub use profile::{Graph, Profile};

@@ -1,0 +1,91 @@
+//! Memory-peak analysis: the peak of a plan and where it occurs, the lower bound of any plan
+//! (moDNN's per-task bound), and the smallest budget a simple plan is known to meet.
+
+use crate::action::Action;
+use crate::evaluator::{evaluate, EvalOptions, Outcome, Scratch, Stage};
+use crate::profile::Graph;
+
+/// The peak of `actions` with no budget pressure (nothing waits for memory).
+pub fn plan_peak(g: &Graph, actions: &[Action], opts: &EvalOptions) -> Outcome {
+    evaluate(g, actions, u64::MAX, opts, &mut Scratch::new(g.n), true)
+}
+
+/// The unplanned peak: every unit retained.
+pub fn unplanned_peak(g: &Graph) -> u64 {
+    plan_peak(g, &vec![Action::Retain; g.n], &EvalOptions::default()).peak_bytes
+}
+
+/// A lower bound on the peak of any plan: for every stage, what must be on the device while it
+/// runs whatever the actions are; the bound is the largest of these (moDNN, section 5.1.1).
+///
+/// Forward of unit i: constant memory, i's own new bytes and transient, the outputs of its
+/// inputs (as whole activations when saved, since activations move as one), and unsaved outputs
+/// of earlier units still waiting for a later reader. Backward of unit i: constant memory, the
+/// gradients produced so far, the stage's transient, and the activations the stage reads.
+pub fn lower_bound(g: &Graph) -> (u64, Stage) {
+    let mut best = (g.constant, Stage::Start);
+    let mut live_unsaved: u64 = 0; // unsaved outputs alive across the stage boundary
+    for i in 0..g.n {
+        let mut need = g.constant + g.act[i] + g.fwd_transient[i];
+        if !g.out_saved[i] {
+            need += g.out[i];
+        }
+        let mut inputs_bytes = 0u64;
+        for &p in &g.inputs[i] {
+            inputs_bytes += if g.out_saved[p] { g.act[p] } else { g.out[p] };
+        }
+        // Unsaved outputs of inputs are already in `live_unsaved`; do not count them twice.
+        let unsaved_inputs: u64 = g.inputs[i].iter().filter(|&&p| !g.out_saved[p]).map(|&p| g.out[p]).sum();
+        need += inputs_bytes + live_unsaved - unsaved_inputs;
+        if need > best.0 {
+            best = (need, Stage::Fwd(i));
+        }
+        if !g.out_saved[i] && g.last_fwd[i] > i {
+            live_unsaved += g.out[i];
+        }
+        for &u in &g.releases_after_fwd[i] {
+            if u != i && !g.out_saved[u] {
+                live_unsaved -= g.out[u];
+            }
+        }
+    }
+    let mut grads: u64 = 0;
+    for i in (0..g.n).rev() {
+        grads += g.grad[i];
+        let reads: u64 = g.needs[i].iter().map(|&u| g.act[u]).sum();
+        let need = g.constant + grads + g.bwd_transient[i] + reads;
+        if need > best.0 {
+            best = (need, Stage::Bwd(i));
+        }
+    }
+    best
+}
+
+/// The smallest budget that one of the simple plans (all swap, all recompute) meets, found by
+/// bisection on the budget, with that plan. Always feasible at the unplanned peak.
+pub fn smallest_known_budget(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>) {
+    let (lb, _) = lower_bound(g);
+    let hi0 = unplanned_peak(g);
+    let mut scratch = Scratch::new(g.n);
+    let mut best = (hi0, vec![Action::Retain; g.n]);
+    for a in [Action::Swap, Action::Recompute] {
+        let plan = vec![a; g.n];
+        let feasible = |b: u64, s: &mut Scratch| evaluate(g, &plan, b, opts, s, false).feasible;
+        if !feasible(best.0, &mut scratch) {
+            continue;
+        }
+        let (mut lo, mut hi) = (lb.saturating_sub(1), best.0);
+        while hi - lo > 1.max(hi / 100_000) {
+            let mid = lo + (hi - lo) / 2;
+            if feasible(mid, &mut scratch) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        if hi < best.0 {
+            best = (hi, plan);
+        }
+    }
+    best
+}

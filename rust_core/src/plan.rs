@@ -1,0 +1,142 @@
+//! The Plan: one action per unit, the prefetch schedule, and the evaluator's predictions
+//! (docs/formats.md).
+
+use crate::action::Action;
+use crate::error::{CoreError, Result};
+use crate::evaluator::Outcome;
+use crate::profile::Profile;
+use serde::{Deserialize, Serialize};
+
+pub const PLAN_FORMAT: &str = "tensorplace.plan";
+pub const PLAN_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prefetch {
+    pub unit: usize,
+    pub issue_at_backward_of: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Predicted {
+    pub step_time: f64,
+    pub compute_time: f64,
+    pub swap_stall: f64,
+    pub recompute: f64,
+    pub copy_time: f64,
+    pub overlapped_copy: f64,
+    pub peak_bytes: u64,
+    pub peak_stage: String,
+    pub feasible: bool,
+    pub reason: Option<String>,
+}
+
+impl Predicted {
+    pub fn from_outcome(o: &Outcome) -> Predicted {
+        Predicted {
+            step_time: o.step_time,
+            compute_time: o.compute_time,
+            swap_stall: o.swap_stall,
+            recompute: o.recompute,
+            copy_time: o.copy_time,
+            overlapped_copy: o.overlapped_copy,
+            peak_bytes: o.peak_bytes,
+            peak_stage: o.peak_stage.label(),
+            feasible: o.feasible,
+            reason: o.reason.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub format: String,
+    pub version: u32,
+    pub profile_fingerprint: String,
+    pub budget_bytes: u64,
+    pub method: String,
+    #[serde(default)]
+    pub settings: serde_json::Value,
+    pub units: Vec<String>,
+    pub actions: Vec<Action>,
+    #[serde(default)]
+    pub prefetch: Vec<Prefetch>,
+    pub predicted: Predicted,
+    #[serde(default)]
+    pub model_fingerprint: Option<String>,
+    #[serde(default)]
+    pub convergence: Option<serde_json::Value>,
+}
+
+impl Plan {
+    pub fn new(
+        profile: &Profile,
+        budget: u64,
+        method: &str,
+        settings: serde_json::Value,
+        actions: Vec<Action>,
+        outcome: &Outcome,
+    ) -> Plan {
+        Plan {
+            format: PLAN_FORMAT.into(),
+            version: PLAN_VERSION,
+            profile_fingerprint: profile.fingerprint(),
+            budget_bytes: budget,
+            method: method.into(),
+            settings,
+            units: profile.units.iter().map(|u| u.name.clone()).collect(),
+            actions,
+            prefetch: outcome
+                .prefetch
+                .iter()
+                .map(|&(unit, at)| Prefetch { unit, issue_at_backward_of: at })
+                .collect(),
+            predicted: Predicted::from_outcome(outcome),
+            model_fingerprint: None,
+            convergence: None,
+        }
+    }
+
+    pub fn from_json(text: &str) -> Result<Plan> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| CoreError::Format(format!("plan is not JSON: {e}")))?;
+        let format = value.get("format").and_then(|v| v.as_str()).unwrap_or("");
+        if format != PLAN_FORMAT {
+            return Err(CoreError::Format(format!(
+                "expected \"format\": \"{PLAN_FORMAT}\", found {format:?}; is this a tensorplace plan?"
+            )));
+        }
+        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        if version != PLAN_VERSION as u64 {
+            return Err(CoreError::Format(format!(
+                "plan version {version} is not supported (this tensorplace reads version {PLAN_VERSION}); re-plan the model"
+            )));
+        }
+        let plan: Plan = serde_json::from_value(value)
+            .map_err(|e| CoreError::Format(format!("plan does not match format version 1: {e}")))?;
+        if plan.actions.len() != plan.units.len() {
+            return Err(CoreError::InvalidPlan(format!(
+                "the plan has {} actions for {} units",
+                plan.actions.len(),
+                plan.units.len()
+            )));
+        }
+        Ok(plan)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plan serialises")
+    }
+
+    /// Refuse a plan made for another profile.
+    pub fn check_matches(&self, profile: &Profile) -> Result<()> {
+        let fp = profile.fingerprint();
+        if self.profile_fingerprint != fp {
+            return Err(CoreError::InvalidPlan(format!(
+                "the plan was made for profile {} but this profile is {}: the model or its input shape changed; re-plan with tensorplace.plan()",
+                &self.profile_fingerprint.get(..12).unwrap_or(&self.profile_fingerprint),
+                &fp[..12]
+            )));
+        }
+        Ok(())
+    }
+}

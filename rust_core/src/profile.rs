@@ -1,0 +1,378 @@
+//! The Profile: one measured training step cut into units (docs/formats.md).
+
+use crate::error::{CoreError, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+pub const PROFILE_FORMAT: &str = "tensorplace.profile";
+pub const PROFILE_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConstantMemory {
+    #[serde(default)]
+    pub parameters: u64,
+    #[serde(default)]
+    pub optimizer_state: u64,
+    #[serde(default)]
+    pub inputs: u64,
+    #[serde(default)]
+    pub workspace: u64,
+}
+
+impl ConstantMemory {
+    pub fn total(&self) -> u64 {
+        self.parameters + self.optimizer_state + self.inputs + self.workspace
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    #[serde(default)]
+    pub peak_bytes: Option<u64>,
+    #[serde(default)]
+    pub step_time: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Unit {
+    pub name: String,
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    #[serde(default)]
+    pub inputs: Vec<i64>,
+    #[serde(default)]
+    pub model_inputs: Vec<i64>,
+    pub fwd_time: f64,
+    pub bwd_time: f64,
+    pub act_bytes: i64,
+    #[serde(default)]
+    pub output_bytes: i64,
+    #[serde(default = "default_true")]
+    pub output_saved: bool,
+    #[serde(default)]
+    pub read_by: Vec<i64>,
+    #[serde(default)]
+    pub held_input_bytes: i64,
+    #[serde(default)]
+    pub fwd_transient_bytes: i64,
+    #[serde(default)]
+    pub bwd_transient_bytes: i64,
+    #[serde(default)]
+    pub grad_bytes: i64,
+}
+
+fn default_kind() -> String {
+    "other".to_string()
+}
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub format: String,
+    pub version: u32,
+    #[serde(default)]
+    pub model: String,
+    #[serde(default)]
+    pub device: String,
+    #[serde(default)]
+    pub batch_size: Option<u64>,
+    #[serde(default)]
+    pub memory: ConstantMemory,
+    pub d2h_bandwidth: f64,
+    pub h2d_bandwidth: f64,
+    #[serde(default)]
+    pub measured: Measured,
+    pub units: Vec<Unit>,
+}
+
+/// A validated profile with the indexes the evaluator walks. All sizes are unsigned here.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    pub n: usize,
+    pub constant: u64,
+    pub d2h: f64,
+    pub h2d: f64,
+    pub fwd_time: Vec<f64>,
+    pub bwd_time: Vec<f64>,
+    pub act: Vec<u64>,
+    pub out: Vec<u64>,
+    pub out_saved: Vec<bool>,
+    pub held: Vec<u64>,
+    pub fwd_transient: Vec<u64>,
+    pub bwd_transient: Vec<u64>,
+    pub grad: Vec<u64>,
+    pub inputs: Vec<Vec<usize>>,
+    /// Last forward stage that reads the unit's output (the unit itself if nobody does).
+    pub last_fwd: Vec<usize>,
+    /// Backward stage that first needs the unit's activations (largest reader), or None.
+    pub first_need: Vec<Option<usize>>,
+    /// Backward stage after which the activations are freed (smallest reader), or None.
+    pub last_use: Vec<Option<usize>>,
+    /// For each backward stage, the units whose activations it reads, largest first.
+    pub needs: Vec<Vec<usize>>,
+    /// For each backward stage, the units whose activations are freed after it.
+    pub frees_after_bwd: Vec<Vec<usize>>,
+    /// For each forward stage, the units whose last forward reader it is (including itself).
+    pub releases_after_fwd: Vec<Vec<usize>>,
+    /// Units with readers, in the order the backward pass first needs them.
+    pub need_order: Vec<usize>,
+}
+
+impl Profile {
+    pub fn from_json(text: &str) -> Result<Profile> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| CoreError::Format(format!("profile is not JSON: {e}")))?;
+        let format = value.get("format").and_then(|v| v.as_str()).unwrap_or("");
+        if format != PROFILE_FORMAT {
+            return Err(CoreError::Format(format!(
+                "expected \"format\": \"{PROFILE_FORMAT}\", found {:?}; is this a tensorplace profile?",
+                format
+            )));
+        }
+        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        if version != PROFILE_VERSION as u64 {
+            return Err(CoreError::Format(format!(
+                "profile version {version} is not supported (this tensorplace reads version {PROFILE_VERSION}); re-profile the model"
+            )));
+        }
+        let profile: Profile = serde_json::from_value(value)
+            .map_err(|e| CoreError::Format(format!("profile does not match format version 1: {e}")))?;
+        profile.graph()?;
+        Ok(profile)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("profile serialises")
+    }
+
+    /// SHA-256 over the structure (names, kinds, edges, sizes), not over times or bandwidths.
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(format!("{}|{}|", self.units.len(), self.memory.total()));
+        for u in &self.units {
+            h.update(format!(
+                "{}|{}|{:?}|{:?}|{}|{}|{}|{:?}|{}|{}|{}|{};",
+                u.name,
+                u.kind,
+                u.inputs,
+                u.model_inputs,
+                u.act_bytes,
+                u.output_bytes,
+                u.output_saved,
+                u.read_by,
+                u.held_input_bytes,
+                u.fwd_transient_bytes,
+                u.bwd_transient_bytes,
+                u.grad_bytes
+            ));
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Validate and build the evaluator's indexes.
+    pub fn graph(&self) -> Result<Graph> {
+        let n = self.units.len();
+        if n == 0 {
+            return Err(CoreError::InvalidProfile("the profile has no units".into()));
+        }
+        for (what, bw) in [("d2h_bandwidth", self.d2h_bandwidth), ("h2d_bandwidth", self.h2d_bandwidth)] {
+            if !(bw.is_finite() && bw > 0.0) {
+                return Err(CoreError::InvalidProfile(format!(
+                    "{what} is {bw}; it must be a positive number of bytes per second"
+                )));
+            }
+        }
+        // Unknown inputs and cycles first, then order.
+        for (i, u) in self.units.iter().enumerate() {
+            for &p in &u.inputs {
+                if p < 0 || p as usize >= n {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) reads unknown unit {p}; inputs must be indices 0..{}",
+                        u.name,
+                        n - 1
+                    )));
+                }
+            }
+            for &r in &u.read_by {
+                if r < 0 || r as usize >= n {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) lists unknown unit {r} in read_by; indices must be 0..{}",
+                        u.name,
+                        n - 1
+                    )));
+                }
+            }
+            for &m in &u.model_inputs {
+                if m < 0 {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) reads model input {m}; model input indices are non-negative",
+                        u.name
+                    )));
+                }
+            }
+            let sizes = [
+                ("act_bytes", u.act_bytes),
+                ("output_bytes", u.output_bytes),
+                ("held_input_bytes", u.held_input_bytes),
+                ("fwd_transient_bytes", u.fwd_transient_bytes),
+                ("bwd_transient_bytes", u.bwd_transient_bytes),
+                ("grad_bytes", u.grad_bytes),
+            ];
+            for (what, v) in sizes {
+                if v < 0 {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) has negative {what} ({v}); sizes are bytes >= 0",
+                        u.name
+                    )));
+                }
+            }
+            for (what, v) in [("fwd_time", u.fwd_time), ("bwd_time", u.bwd_time)] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) has {what} = {v}; times are seconds >= 0",
+                        u.name
+                    )));
+                }
+            }
+            if u.act_bytes > 0 && u.read_by.is_empty() {
+                return Err(CoreError::InvalidProfile(format!(
+                    "unit {i} ({}) owns {} activation bytes but read_by is empty; list the units whose backward reads them",
+                    u.name, u.act_bytes
+                )));
+            }
+        }
+        if let Some(cycle) = find_cycle(&self.units) {
+            let names: Vec<String> = cycle.iter().map(|&i| format!("{i} ({})", self.units[i].name)).collect();
+            return Err(CoreError::InvalidProfile(format!(
+                "the unit graph has a cycle: {}; a profile must be a DAG",
+                names.join(" -> ")
+            )));
+        }
+        for (i, u) in self.units.iter().enumerate() {
+            for &p in &u.inputs {
+                if p as usize >= i {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) reads unit {p} ({}), which runs later; units must be listed in forward execution order",
+                        u.name, self.units[p as usize].name
+                    )));
+                }
+            }
+            for &r in &u.read_by {
+                if (r as usize) < i {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {r} ({}) reads the activations of unit {i} ({}) in backward but runs before it in forward",
+                        self.units[r as usize].name, u.name
+                    )));
+                }
+            }
+        }
+
+        let g_inputs: Vec<Vec<usize>> = self
+            .units
+            .iter()
+            .map(|u| {
+                let mut v: Vec<usize> = u.inputs.iter().map(|&p| p as usize).collect();
+                v.sort_unstable();
+                v.dedup();
+                v
+            })
+            .collect();
+        let mut last_fwd: Vec<usize> = (0..n).collect();
+        for (i, ins) in g_inputs.iter().enumerate() {
+            for &p in ins {
+                last_fwd[p] = last_fwd[p].max(i);
+            }
+        }
+        let mut first_need = vec![None; n];
+        let mut last_use = vec![None; n];
+        let mut needs = vec![Vec::new(); n];
+        let mut frees_after_bwd = vec![Vec::new(); n];
+        let mut releases_after_fwd = vec![Vec::new(); n];
+        for (u, unit) in self.units.iter().enumerate() {
+            let mut readers: Vec<usize> = unit.read_by.iter().map(|&r| r as usize).collect();
+            readers.sort_unstable();
+            readers.dedup();
+            if let (Some(&lo), Some(&hi)) = (readers.first(), readers.last()) {
+                first_need[u] = Some(hi);
+                last_use[u] = Some(lo);
+                frees_after_bwd[lo].push(u);
+                for &r in &readers {
+                    needs[r].push(u);
+                }
+            }
+            releases_after_fwd[last_fwd[u]].push(u);
+        }
+        for v in needs.iter_mut() {
+            v.sort_unstable_by(|a, b| b.cmp(a));
+        }
+        let mut need_order: Vec<usize> = (0..n).filter(|&u| first_need[u].is_some()).collect();
+        need_order.sort_unstable_by(|&a, &b| first_need[b].cmp(&first_need[a]).then(b.cmp(&a)));
+        let u64s = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> { self.units.iter().map(|u| f(u) as u64).collect() };
+        Ok(Graph {
+            n,
+            constant: self.memory.total(),
+            d2h: self.d2h_bandwidth,
+            h2d: self.h2d_bandwidth,
+            fwd_time: self.units.iter().map(|u| u.fwd_time).collect(),
+            bwd_time: self.units.iter().map(|u| u.bwd_time).collect(),
+            act: u64s(&|u| u.act_bytes),
+            out: u64s(&|u| u.output_bytes),
+            out_saved: self.units.iter().map(|u| u.output_saved).collect(),
+            held: u64s(&|u| u.held_input_bytes),
+            fwd_transient: u64s(&|u| u.fwd_transient_bytes),
+            bwd_transient: u64s(&|u| u.bwd_transient_bytes),
+            grad: u64s(&|u| u.grad_bytes),
+            inputs: g_inputs,
+            last_fwd,
+            first_need,
+            last_use,
+            needs,
+            frees_after_bwd,
+            releases_after_fwd,
+            need_order,
+        })
+    }
+}
+
+/// A cycle in the input graph, if any, as a list of unit indices.
+fn find_cycle(units: &[Unit]) -> Option<Vec<usize>> {
+    let n = units.len();
+    // 0 = unvisited, 1 = on stack, 2 = done
+    let mut state = vec![0u8; n];
+    let mut parent = vec![usize::MAX; n];
+    for start in 0..n {
+        if state[start] != 0 {
+            continue;
+        }
+        let mut stack: Vec<(usize, usize)> = vec![(start, 0)];
+        state[start] = 1;
+        while let Some(&mut (v, ref mut k)) = stack.last_mut() {
+            let ins = &units[v].inputs;
+            if *k < ins.len() {
+                let w = ins[*k] as usize;
+                *k += 1;
+                if state[w] == 0 {
+                    state[w] = 1;
+                    parent[w] = v;
+                    stack.push((w, 0));
+                } else if state[w] == 1 {
+                    let mut cycle = vec![w];
+                    let mut x = v;
+                    while x != w {
+                        cycle.push(x);
+                        x = parent[x];
+                    }
+                    cycle.push(w);
+                    cycle.reverse();
+                    return Some(cycle);
+                }
+            } else {
+                state[v] = 2;
+                stack.pop();
+            }
+        }
+    }
+    None
+}

@@ -1,0 +1,247 @@
+//! HOME's particle swarm search (Algorithms 1 and 3).
+//!
+//! A particle is a plan (one action per unit). Each iteration every particle sweeps its units in
+//! order; for unit j it tries the action of the last iteration's best particle (P1) and the
+//! action of its own best-ever plan (P2), evaluating each with the evaluator, and keeps the
+//! better (P2 on a tie, as in the paper). Two legitimate speed-ups that do not change the result:
+//! when P1[j] == P2[j] the choice is forced and nothing is evaluated, and a candidate equal to the
+//! particle's current plan reuses its known score. Particles are updated in parallel (rayon); all
+//! randomness comes from per-particle generators derived from the seed, so the result does not
+//! depend on the thread count.
+
+use crate::action::Action;
+use crate::error::{CoreError, Result};
+use crate::evaluator::{score, EvalOptions, Score, Scratch};
+use crate::profile::Graph;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use std::time::Instant;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PsoSettings {
+    pub particles: usize,
+    pub iterations: usize,
+    pub seed: u64,
+    /// Worker threads; 0 means one per core.
+    pub threads: usize,
+    /// Start three particles at all-retain, all-swap and all-recompute (an extension of the
+    /// paper, which starts every particle at random).
+    pub seed_extremes: bool,
+    /// Probability that a unit of a particle is reset to a random action after its sweep
+    /// (an extension; 0 reproduces the paper).
+    pub mutation: f64,
+    /// Stop early when the best plan has not improved for this many iterations (None: never).
+    pub patience: Option<usize>,
+}
+
+impl Default for PsoSettings {
+    fn default() -> Self {
+        PsoSettings {
+            particles: 500,
+            iterations: 500,
+            seed: 0,
+            threads: 0,
+            seed_extremes: true,
+            mutation: 0.0,
+            patience: None,
+        }
+    }
+}
+
+/// Per-iteration record of the search. Times are the predicted step times of feasible particles
+/// (None when no particle of that iteration was feasible).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Trace {
+    pub best: Vec<Option<f64>>,
+    pub mean: Vec<Option<f64>>,
+    pub worst: Vec<Option<f64>>,
+    pub feasible: Vec<usize>,
+    pub elapsed: Vec<f64>,
+    pub evaluations: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct PsoResult {
+    pub actions: Vec<Action>,
+    pub score: Score,
+    pub trace: Trace,
+}
+
+fn particle_rng(seed: u64, particle: usize, iteration: u64) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(((particle as u64) << 32) ^ iteration);
+    rng
+}
+
+fn random_plan(n: usize, rng: &mut ChaCha8Rng) -> Vec<Action> {
+    (0..n).map(|_| Action::ALL[rng.gen_range(0..3)]).collect()
+}
+
+/// One particle's sweep (Algorithm 3, lines 4-13). Returns its new score and evaluation count.
+fn sweep(
+    g: &Graph,
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    cur: &mut [Action],
+    mut cur_score: Option<Score>,
+    p1: &[Action],
+    p2: &[Action],
+) -> (Score, u64) {
+    let mut evals = 0u64;
+    for j in 0..cur.len() {
+        let (c1, c2) = (p1[j], p2[j]);
+        let orig = cur[j];
+        if c1 == c2 {
+            if orig != c1 {
+                cur[j] = c1;
+                cur_score = None;
+            }
+            continue;
+        }
+        let mut eval_with = |a: Action, cur: &mut [Action]| -> Score {
+            if orig == a {
+                if let Some(s) = cur_score {
+                    return s;
+                }
+            }
+            cur[j] = a;
+            evals += 1;
+            score(g, cur, budget, opts, scratch)
+        };
+        let o1 = eval_with(c1, cur);
+        let o2 = eval_with(c2, cur);
+        if o1.better_than(&o2) {
+            cur[j] = c1;
+            cur_score = Some(o1);
+        } else {
+            cur[j] = c2;
+            cur_score = Some(o2);
+        }
+    }
+    match cur_score {
+        Some(s) => (s, evals),
+        None => (score(g, cur, budget, opts, scratch), evals + 1),
+    }
+}
+
+fn argbest(scores: &[Score]) -> usize {
+    let mut b = 0;
+    for (i, s) in scores.iter().enumerate() {
+        if s.better_than(&scores[b]) {
+            b = i;
+        }
+    }
+    b
+}
+
+/// Run the search. `on_iteration` is called after every iteration with (iteration, best score).
+pub fn search(
+    g: &Graph,
+    budget: u64,
+    opts: &EvalOptions,
+    settings: &PsoSettings,
+    mut on_iteration: impl FnMut(usize, &Score),
+) -> Result<PsoResult> {
+    if settings.particles == 0 {
+        return Err(CoreError::InvalidSetting("particles must be at least 1".into()));
+    }
+    if !(0.0..=1.0).contains(&settings.mutation) {
+        return Err(CoreError::InvalidSetting(format!(
+            "mutation is a probability in [0, 1], got {}",
+            settings.mutation
+        )));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(settings.threads)
+        .build()
+        .map_err(|e| CoreError::InvalidSetting(format!("cannot start {} threads: {e}", settings.threads)))?;
+    let n = g.n;
+    let m = settings.particles;
+    let started = Instant::now();
+
+    let mut positions: Vec<Vec<Action>> = (0..m)
+        .map(|i| {
+            if settings.seed_extremes && i < 3 {
+                vec![Action::ALL[i]; n]
+            } else {
+                random_plan(n, &mut particle_rng(settings.seed, i, u64::MAX))
+            }
+        })
+        .collect();
+    let mut scores: Vec<Score> = pool.install(|| {
+        positions
+            .par_iter()
+            .map_init(|| Scratch::new(n), |s, p| score(g, p, budget, opts, s))
+            .collect()
+    });
+    let mut evaluations = m as u64;
+    let mut pbest = positions.clone();
+    let mut pbest_scores = scores.clone();
+    let b = argbest(&scores);
+    let mut gbest = (positions[b].clone(), scores[b]);
+    let mut trace = Trace::default();
+    let mut since_improved = 0usize;
+
+    for it in 0..settings.iterations {
+        let p1 = positions[argbest(&scores)].clone();
+        let results: Vec<(Score, u64)> = pool.install(|| {
+            positions
+                .par_iter_mut()
+                .zip(scores.par_iter())
+                .zip(pbest.par_iter())
+                .enumerate()
+                .map_init(
+                    || Scratch::new(n),
+                    |scratch, (i, ((cur, &s), p2))| {
+                        let (mut sc, mut ev) = sweep(g, budget, opts, scratch, cur, Some(s), &p1, p2);
+                        if settings.mutation > 0.0 {
+                            let mut rng = particle_rng(settings.seed, i, it as u64);
+                            let mut changed = false;
+                            for a in cur.iter_mut() {
+                                if rng.gen::<f64>() < settings.mutation {
+                                    *a = Action::ALL[rng.gen_range(0..3)];
+                                    changed = true;
+                                }
+                            }
+                            if changed {
+                                sc = score(g, cur, budget, opts, scratch);
+                                ev += 1;
+                            }
+                        }
+                        (sc, ev)
+                    },
+                )
+                .collect()
+        });
+        let mut improved = false;
+        for (i, (s, ev)) in results.into_iter().enumerate() {
+            evaluations += ev;
+            scores[i] = s;
+            if s.better_than(&pbest_scores[i]) {
+                pbest_scores[i] = s;
+                pbest[i].clone_from(&positions[i]);
+            }
+            if s.better_than(&gbest.1) {
+                gbest = (positions[i].clone(), s);
+                improved = true;
+            }
+        }
+        let feas: Vec<f64> = scores.iter().filter(|s| s.feasible).map(|s| s.time).collect();
+        trace.best.push(if gbest.1.feasible { Some(gbest.1.time) } else { None });
+        trace.mean.push(if feas.is_empty() { None } else { Some(feas.iter().sum::<f64>() / feas.len() as f64) });
+        trace.worst.push(feas.iter().cloned().reduce(f64::max));
+        trace.feasible.push(feas.len());
+        trace.elapsed.push(started.elapsed().as_secs_f64());
+        on_iteration(it, &gbest.1);
+        since_improved = if improved { 0 } else { since_improved + 1 };
+        if let Some(p) = settings.patience {
+            if since_improved >= p {
+                break;
+            }
+        }
+    }
+    trace.evaluations = evaluations;
+    Ok(PsoResult { actions: gbest.0, score: gbest.1, trace })
+}

@@ -1,0 +1,167 @@
+//! The thin PyO3 layer: JSON text in, JSON text or plain values out. Long searches release the GIL.
+
+use crate::action::Action;
+use crate::error::CoreError;
+use crate::evaluator::{evaluate as run_evaluate, EvalOptions, Outcome, Scratch};
+use crate::peak;
+use crate::plan::Plan;
+use crate::planner::{make_plan as run_make_plan, PlanSettings};
+use crate::profile::Profile;
+use crate::pso::PsoSettings;
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use serde_json::json;
+
+create_exception!(_core, PlannerError, PyValueError, "A profile, plan or setting the planner refuses.");
+create_exception!(_core, BudgetError, PlannerError, "The budget cannot be met; args[1] is the smallest budget (bytes) known to work.");
+
+fn to_py(e: CoreError) -> PyErr {
+    match e {
+        CoreError::BudgetBelowLowerBound { lower_bound, .. } => BudgetError::new_err((e.to_string(), lower_bound)),
+        CoreError::NoFeasiblePlan { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
+        other => PlannerError::new_err(other.to_string()),
+    }
+}
+
+fn parse_profile(text: &str) -> PyResult<Profile> {
+    Profile::from_json(text).map_err(to_py)
+}
+
+fn parse_actions(actions: Vec<String>, n: usize) -> PyResult<Vec<Action>> {
+    if actions.len() != n {
+        return Err(PlannerError::new_err(format!(
+            "the plan has {} actions but the profile has {n} units; give one action per unit",
+            actions.len()
+        )));
+    }
+    actions
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            Action::from_name(a).ok_or_else(|| {
+                PlannerError::new_err(format!("action {i} is {a:?}; use \"retain\", \"swap\" or \"recompute\""))
+            })
+        })
+        .collect()
+}
+
+fn outcome_json(o: &Outcome) -> serde_json::Value {
+    let curve: Vec<serde_json::Value> = o
+        .curve
+        .iter()
+        .map(|c| json!({"stage": c.stage.label(), "start_time": c.start_time, "mem_start": c.mem_start, "peak": c.peak}))
+        .collect();
+    let prefetch: Vec<serde_json::Value> =
+        o.prefetch.iter().map(|&(u, s)| json!({"unit": u, "issue_at_backward_of": s})).collect();
+    json!({
+        "step_time": o.step_time, "compute_time": o.compute_time, "swap_stall": o.swap_stall,
+        "recompute": o.recompute, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
+        "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "feasible": o.feasible,
+        "excess": o.excess, "reason": o.reason, "curve": curve, "prefetch": prefetch,
+    })
+}
+
+/// Validate a profile; raises PlannerError with what is wrong.
+#[pyfunction]
+fn validate_profile(profile_json: &str) -> PyResult<()> {
+    parse_profile(profile_json).map(|_| ())
+}
+
+/// SHA-256 of the profile's structure.
+#[pyfunction]
+fn profile_fingerprint(profile_json: &str) -> PyResult<String> {
+    Ok(parse_profile(profile_json)?.fingerprint())
+}
+
+/// Evaluate a plan: returns the outcome as JSON text.
+#[pyfunction]
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2))]
+fn evaluate(profile_json: &str, actions: Vec<String>, budget: u64, prefetch_lookahead: usize) -> PyResult<String> {
+    let p = parse_profile(profile_json)?;
+    let g = p.graph().map_err(to_py)?;
+    let a = parse_actions(actions, g.n)?;
+    let o = run_evaluate(&g, &a, budget, &EvalOptions { prefetch_lookahead }, &mut Scratch::new(g.n), true);
+    Ok(outcome_json(&o).to_string())
+}
+
+/// (lower bound in bytes, stage label).
+#[pyfunction]
+fn lower_bound(profile_json: &str) -> PyResult<(u64, String)> {
+    let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
+    let (b, s) = peak::lower_bound(&g);
+    Ok((b, s.label()))
+}
+
+/// The predicted peak of the all-retain plan.
+#[pyfunction]
+fn unplanned_peak(profile_json: &str) -> PyResult<u64> {
+    let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
+    Ok(peak::unplanned_peak(&g))
+}
+
+/// The smallest budget all-swap or all-recompute meets, and that plan's actions.
+#[pyfunction]
+#[pyo3(signature = (profile_json, prefetch_lookahead=2))]
+fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize) -> PyResult<(u64, Vec<String>)> {
+    let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
+    let (b, a) = peak::smallest_known_budget(&g, &EvalOptions { prefetch_lookahead });
+    Ok((b, a.iter().map(|x| x.name().to_string()).collect()))
+}
+
+/// Search a plan; returns the plan as JSON text. Releases the GIL while searching.
+#[pyfunction]
+#[pyo3(signature = (profile_json, budget, method="pso", particles=500, iterations=500, seed=0, threads=0,
+                    seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2))]
+#[allow(clippy::too_many_arguments)]
+fn make_plan(
+    py: Python<'_>,
+    profile_json: &str,
+    budget: u64,
+    method: &str,
+    particles: usize,
+    iterations: usize,
+    seed: u64,
+    threads: usize,
+    seed_extremes: bool,
+    mutation: f64,
+    patience: Option<usize>,
+    prefetch_lookahead: usize,
+) -> PyResult<String> {
+    let p = parse_profile(profile_json)?;
+    let settings = PlanSettings {
+        eval: EvalOptions { prefetch_lookahead },
+        pso: PsoSettings { particles, iterations, seed, threads, seed_extremes, mutation, patience },
+    };
+    let method = method.to_string();
+    let plan = py.allow_threads(move || run_make_plan(&p, budget, &method, &settings, |_, _| {}));
+    Ok(plan.map_err(to_py)?.to_json())
+}
+
+/// Validate a plan (and, given a profile, that it was made for it); returns it normalised.
+#[pyfunction]
+#[pyo3(signature = (plan_json, profile_json=None))]
+fn validate_plan(plan_json: &str, profile_json: Option<&str>) -> PyResult<String> {
+    let plan = Plan::from_json(plan_json).map_err(to_py)?;
+    if let Some(pj) = profile_json {
+        plan.check_matches(&parse_profile(pj)?).map_err(to_py)?;
+    }
+    Ok(plan.to_json())
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("PlannerError", m.py().get_type::<PlannerError>())?;
+    m.add("BudgetError", m.py().get_type::<BudgetError>())?;
+    m.add("PROFILE_VERSION", crate::profile::PROFILE_VERSION)?;
+    m.add("PLAN_VERSION", crate::plan::PLAN_VERSION)?;
+    m.add_function(wrap_pyfunction!(validate_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(profile_fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(lower_bound, m)?)?;
+    m.add_function(wrap_pyfunction!(unplanned_peak, m)?)?;
+    m.add_function(wrap_pyfunction!(smallest_known_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(make_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_plan, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,63 @@
+#![allow(dead_code)]
+use tensorplace_core::profile::{ConstantMemory, Measured, Profile, Unit, PROFILE_FORMAT, PROFILE_VERSION};
+
+/// A unit reading `inputs`, whose activation is its output (saved by itself and its consumers).
+pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
+    Unit {
+        name: name.into(),
+        kind: "other".into(),
+        inputs: inputs.to_vec(),
+        model_inputs: vec![],
+        fwd_time: fwd,
+        bwd_time: bwd,
+        act_bytes: act,
+        output_bytes: act,
+        output_saved: true,
+        read_by: vec![],
+        held_input_bytes: 0,
+        fwd_transient_bytes: 0,
+        bwd_transient_bytes: 0,
+        grad_bytes: 0,
+    }
+}
+
+/// Fill read_by: a unit's activations are read by its own backward and its consumers'.
+pub fn wire(mut units: Vec<Unit>) -> Vec<Unit> {
+    let n = units.len();
+    for i in 0..n {
+        units[i].read_by = vec![i as i64];
+    }
+    for i in 0..n {
+        let ins = units[i].inputs.clone();
+        for p in ins {
+            units[p as usize].read_by.push(i as i64);
+        }
+    }
+    units
+}
+
+pub fn profile(units: Vec<Unit>, constant: u64, bw: f64) -> Profile {
+    Profile {
+        format: PROFILE_FORMAT.into(),
+        version: PROFILE_VERSION,
+        model: "test".into(),
+        device: "test".into(),
+        batch_size: None,
+        memory: ConstantMemory { parameters: constant, ..Default::default() },
+        d2h_bandwidth: bw,
+        h2d_bandwidth: bw,
+        measured: Measured::default(),
+        units,
+    }
+}
+
+/// A chain of `n` units, unit i with forward time f[i], backward 2 f[i], activation a[i].
+pub fn chain(f: &[f64], a: &[i64], constant: u64, bw: f64) -> Profile {
+    let units: Vec<Unit> = (0..f.len())
+        .map(|i| {
+            let ins: Vec<i64> = if i == 0 { vec![] } else { vec![i as i64 - 1] };
+            unit(&format!("u{i}"), &ins, f[i], 2.0 * f[i], a[i])
+        })
+        .collect();
+    profile(wire(units), constant, bw)
+}

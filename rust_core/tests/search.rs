@@ -1,0 +1,60 @@
+mod common;
+use common::*;
+use tensorplace_core::evaluator::EvalOptions;
+use tensorplace_core::planner::{make_plan, PlanSettings};
+use tensorplace_core::pso::{search, PsoSettings};
+use tensorplace_core::{exhaustive, CoreError};
+
+fn settings(particles: usize, iterations: usize, seed: u64, threads: usize) -> PsoSettings {
+    PsoSettings { particles, iterations, seed, threads, ..Default::default() }
+}
+
+#[test]
+fn pso_matches_exhaustive_on_tiny_chains() {
+    let f = [1.0, 0.5, 2.0, 0.3, 1.5, 0.8, 1.1, 0.4];
+    let a = [40, 10, 35, 25, 5, 30, 20, 15];
+    let p = chain(&f, &a, 10, 30.0);
+    let g = p.graph().unwrap();
+    let opts = EvalOptions::default();
+    let unplanned = tensorplace_core::peak::unplanned_peak(&g);
+    for budget in [unplanned, unplanned * 3 / 4, unplanned / 2] {
+        let (ex, exs) = exhaustive::search(&g, budget, &opts).unwrap();
+        let r = search(&g, budget, &opts, &settings(100, 30, 1, 1), |_, _| {}).unwrap();
+        assert_eq!(r.score.feasible, exs.feasible);
+        assert!((r.score.time - exs.time).abs() < 1e-12, "budget {budget}: pso {:?} vs exhaustive {:?} ({ex:?})", r.score, exs);
+    }
+}
+
+#[test]
+fn same_seed_same_plan_whatever_the_thread_count() {
+    let f: Vec<f64> = (0..40).map(|i| 0.1 + (i % 7) as f64 * 0.05).collect();
+    let a: Vec<i64> = (0..40).map(|i| 100 + (i * 37 % 11) as i64 * 50).collect();
+    let p = chain(&f, &a, 1000, 2000.0);
+    let g = p.graph().unwrap();
+    let budget = tensorplace_core::peak::unplanned_peak(&g) * 6 / 10;
+    let opts = EvalOptions::default();
+    let one = search(&g, budget, &opts, &settings(40, 20, 7, 1), |_, _| {}).unwrap();
+    let two = search(&g, budget, &opts, &settings(40, 20, 7, 2), |_, _| {}).unwrap();
+    assert_eq!(one.actions, two.actions);
+    assert_eq!(one.trace.best, two.trace.best);
+    assert_eq!(one.trace.evaluations, two.trace.evaluations);
+    // The best never gets worse and an infeasible particle never wins over a feasible one.
+    let best: Vec<f64> = one.trace.best.iter().flatten().cloned().collect();
+    assert!(best.windows(2).all(|w| w[1] <= w[0]));
+    assert!(one.score.feasible);
+}
+
+#[test]
+fn budgets_below_the_lower_bound_name_it() {
+    let p = chain(&[1.0, 1.0], &[10, 10], 5, 1.0);
+    let g = p.graph().unwrap();
+    let (lb, _) = tensorplace_core::peak::lower_bound(&g);
+    match make_plan(&p, lb - 1, "pso", &PlanSettings::default(), |_, _| {}) {
+        Err(e @ CoreError::BudgetBelowLowerBound { .. }) => assert!(e.to_string().contains(&lb.to_string())),
+        other => panic!("{other:?}"),
+    }
+    match make_plan(&p, 1, "nope", &PlanSettings::default(), |_, _| {}) {
+        Err(e) => assert!(e.to_string().contains("lower bound") || e.to_string().contains("unknown method")),
+        Ok(_) => panic!(),
+    }
+}
