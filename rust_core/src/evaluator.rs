@@ -81,6 +81,8 @@ pub struct Outcome {
     pub recompute: f64,
     pub copy_time: f64,
     pub overlapped_copy: f64,
+    /// Swap-outs still in flight when their unit was needed again (the device copy was used).
+    pub cancelled_swaps: usize,
     pub peak_bytes: u64,
     pub peak_stage: Stage,
     pub feasible: bool,
@@ -143,6 +145,7 @@ struct Sim<'a> {
     stall: f64,
     recompute: f64,
     copy_time: f64,
+    cancelled: usize,
     excess: u64,
     reason: Option<String>,
     stage: Stage,
@@ -251,6 +254,7 @@ impl<'a> Sim<'a> {
         if self.s.in_queue[u] {
             // Its swap-out has not completed: the device copy is still alive, keep it.
             self.s.in_queue[u] = false;
+            self.cancelled += 1;
             self.s.ready[u] = self.t;
             return;
         }
@@ -269,7 +273,10 @@ impl<'a> Sim<'a> {
     fn ensure(&mut self, u: usize, i: usize) {
         if self.s.resident[u] {
             // A swap-out still in flight is cancelled: the device copy is used as it is.
-            self.s.in_queue[u] = false;
+            if self.s.in_queue[u] {
+                self.s.in_queue[u] = false;
+                self.cancelled += 1;
+            }
             let ready = self.s.ready[u];
             if ready > self.t {
                 self.stall += ready - self.t;
@@ -342,6 +349,7 @@ pub fn evaluate(
         stall: 0.0,
         recompute: 0.0,
         copy_time: 0.0,
+        cancelled: 0,
         excess: 0,
         reason: None,
         stage: Stage::Start,
@@ -447,6 +455,7 @@ pub fn evaluate(
         recompute: sim.recompute,
         copy_time: sim.copy_time,
         overlapped_copy: (sim.copy_time - sim.stall).max(0.0),
+        cancelled_swaps: sim.cancelled,
         peak_bytes: sim.peak,
         peak_stage: sim.peak_stage,
         feasible,

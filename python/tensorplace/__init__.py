@@ -1,0 +1,32 @@
+"""tensorplace: fit PyTorch training into a memory budget.
+
+Profile one training step, search per-unit actions (retain, swap to host, recompute) that
+minimise step time under a budget, and train under that plan::
+
+    import tensorplace as tp
+    plan = tp.plan(model, example_inputs, budget="6GiB")
+    fast = tp.run(model, plan)
+
+The planner works on profiles too: ``tp.plan_profile(tp.examples.profile("vgg16"), "4GiB")``.
+"""
+
+from . import examples
+from ._core import BudgetError, PlannerError
+from .budget import format_bytes, parse_budget
+from .planning import Plan, evaluate, load_profile, lower_bound, plan_profile, save_profile, unplanned_peak
+
+__all__ = [
+    "BudgetError",
+    "Plan",
+    "PlannerError",
+    "evaluate",
+    "examples",
+    "format_bytes",
+    "load_profile",
+    "lower_bound",
+    "parse_budget",
+    "plan_profile",
+    "save_profile",
+    "unplanned_peak",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,33 @@
+"""Type stubs of the compiled planner core (rust_core, built by maturin)."""
+
+from typing import List, Optional, Tuple
+
+PROFILE_VERSION: int
+PLAN_VERSION: int
+
+class PlannerError(ValueError):
+    """A profile, plan or setting the planner refuses."""
+
+class BudgetError(PlannerError):
+    """The budget cannot be met; args[1] is the smallest budget (bytes) known to work."""
+
+def validate_profile(profile_json: str) -> None: ...
+def profile_fingerprint(profile_json: str) -> str: ...
+def evaluate(profile_json: str, actions: List[str], budget: int, prefetch_lookahead: int = 2) -> str: ...
+def lower_bound(profile_json: str) -> Tuple[int, str]: ...
+def unplanned_peak(profile_json: str) -> int: ...
+def smallest_known_budget(profile_json: str, prefetch_lookahead: int = 2) -> Tuple[int, List[str]]: ...
+def make_plan(
+    profile_json: str,
+    budget: int,
+    method: str = "pso",
+    particles: int = 500,
+    iterations: int = 500,
+    seed: int = 0,
+    threads: int = 0,
+    seed_extremes: bool = True,
+    mutation: float = 0.0,
+    patience: Optional[int] = None,
+    prefetch_lookahead: int = 2,
+) -> str: ...
+def validate_plan(plan_json: str, profile_json: Optional[str] = None) -> str: ...

@@ -1,0 +1,203 @@
+"""Planning from a Profile: `plan_profile()` and the `Plan` it returns."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _core
+from .budget import Budget, format_bytes, parse_budget
+
+ProfileLike = Union[Dict[str, Any], str, "os.PathLike[str]"]
+
+ACTIONS = ("retain", "swap", "recompute")
+
+
+def profile_json(profile: ProfileLike) -> str:
+    """JSON text of a profile given as a dict, JSON text, or a path to a .json file (validated)."""
+    if isinstance(profile, dict):
+        text = json.dumps(profile)
+    elif isinstance(profile, (str, os.PathLike)) and not str(profile).lstrip().startswith("{"):
+        with open(profile, "r", encoding="utf-8") as f:
+            text = f.read()
+    elif isinstance(profile, str):
+        text = profile
+    else:
+        raise TypeError(f"profile must be a dict, JSON text or a path, got {type(profile).__name__}")
+    _core.validate_profile(text)
+    return text
+
+
+def load_profile(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """Read and validate a profile file."""
+    return json.loads(profile_json(path))
+
+
+def save_profile(profile: Dict[str, Any], path: Union[str, "os.PathLike[str]"]) -> None:
+    """Validate and write a profile as JSON."""
+    text = profile_json(profile)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+class Plan:
+    """A policy table: one action per unit, the prefetch schedule, and the predictions.
+
+    >>> import tensorplace as tp
+    >>> p = tp.plan_profile(tp.examples.profile("plain20", batch_size=8), "200MiB", iterations=5, particles=20)
+    >>> len(p.actions) == len(p.units) and set(p.actions) <= {"retain", "swap", "recompute"}
+    True
+    """
+
+    def __init__(self, data: Dict[str, Any]):
+        self._data = json.loads(_core.validate_plan(json.dumps(data)))
+        # Keep fields the core does not know about (none today) as given.
+        for k, v in data.items():
+            self._data.setdefault(k, v)
+
+    # --- fields -------------------------------------------------------------------------
+    @property
+    def actions(self) -> List[str]:
+        return list(self._data["actions"])
+
+    @property
+    def units(self) -> List[str]:
+        return list(self._data["units"])
+
+    @property
+    def prefetch(self) -> List[Dict[str, int]]:
+        return [dict(p) for p in self._data["prefetch"]]
+
+    @property
+    def predicted(self) -> Dict[str, Any]:
+        return dict(self._data["predicted"])
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self._data["budget_bytes"])
+
+    @property
+    def method(self) -> str:
+        return str(self._data["method"])
+
+    @property
+    def settings(self) -> Dict[str, Any]:
+        return dict(self._data.get("settings") or {})
+
+    @property
+    def profile_fingerprint(self) -> str:
+        return str(self._data["profile_fingerprint"])
+
+    @property
+    def model_fingerprint(self) -> Optional[str]:
+        return self._data.get("model_fingerprint")
+
+    @model_fingerprint.setter
+    def model_fingerprint(self, value: Optional[str]) -> None:
+        self._data["model_fingerprint"] = value
+
+    @property
+    def convergence(self) -> Optional[Dict[str, Any]]:
+        return self._data.get("convergence")
+
+    def counts(self) -> Dict[str, int]:
+        """How many units get each action."""
+        return {a: self._data["actions"].count(a) for a in ACTIONS}
+
+    # --- files --------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return json.loads(json.dumps(self._data))
+
+    def to_json(self) -> str:
+        return json.dumps(self._data, indent=1)
+
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Write the plan as versioned JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: Union[str, "os.PathLike[str]"]) -> "Plan":
+        """Read a plan file; refuses other formats, newer versions and corrupt files."""
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise _core.PlannerError(f"cannot read plan {os.fspath(path)!r}: not JSON ({e}); re-plan and save it again") from None
+        if not isinstance(data, dict):
+            raise _core.PlannerError(f"cannot read plan {os.fspath(path)!r}: expected a JSON object")
+        return cls(data)
+
+    def check_profile(self, profile: ProfileLike) -> None:
+        """Raise if this plan was made for another profile."""
+        _core.validate_plan(json.dumps(self._data), profile_json(profile))
+
+    def summary(self) -> str:
+        p = self.predicted
+        c = self.counts()
+        return (
+            f"{self.method} plan for {len(self.units)} units under {format_bytes(self.budget_bytes)}: "
+            f"{c['retain']} retain, {c['swap']} swap, {c['recompute']} recompute; predicted step "
+            f"{p['step_time'] * 1e3:.1f} ms (compute {p['compute_time'] * 1e3:.1f}, swap stall "
+            f"{p['swap_stall'] * 1e3:.1f}, recompute {p['recompute'] * 1e3:.1f}), peak {format_bytes(p['peak_bytes'])}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<tensorplace.Plan {self.summary()}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self._data == other._data
+
+
+def plan_profile(
+    profile: ProfileLike,
+    budget: Budget,
+    method: str = "pso",
+    *,
+    particles: int = 500,
+    iterations: int = 500,
+    seed: int = 0,
+    threads: int = 0,
+    seed_extremes: bool = True,
+    mutation: float = 0.0,
+    patience: Optional[int] = None,
+    prefetch_lookahead: int = 2,
+) -> Plan:
+    """Search a plan for `profile` that fits `budget` (the whole step's device memory).
+
+    Methods: "pso" (HOME), "exhaustive" (every plan; up to 14 units), and the fixed plans
+    "retain", "swap-all", "recompute-all". Raises `BudgetError` (with the smallest budget known
+    to work in `args[1]`) when the budget cannot be met.
+    """
+    text = profile_json(profile)
+    data = _core.make_plan(
+        text,
+        parse_budget(budget),
+        method,
+        particles=particles,
+        iterations=iterations,
+        seed=seed,
+        threads=threads,
+        seed_extremes=seed_extremes,
+        mutation=mutation,
+        patience=patience,
+        prefetch_lookahead=prefetch_lookahead,
+    )
+    return Plan(json.loads(data))
+
+
+def evaluate(profile: ProfileLike, actions: Sequence[str], budget: Budget, prefetch_lookahead: int = 2) -> Dict[str, Any]:
+    """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve."""
+    return json.loads(_core.evaluate(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead))
+
+
+def lower_bound(profile: ProfileLike) -> int:
+    """The smallest peak any plan could have (bytes)."""
+    return _core.lower_bound(profile_json(profile))[0]
+
+
+def unplanned_peak(profile: ProfileLike) -> int:
+    """The predicted peak when every unit is retained (bytes)."""
+    return _core.unplanned_peak(profile_json(profile))

@@ -1,0 +1,89 @@
+"""Hypothesis strategies for random DAG profiles, and an independent reference of the unplanned
+memory curve (written from docs/cost-model.md, not from the Rust code)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from hypothesis import strategies as st
+
+
+@st.composite
+def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: bool = True) -> Dict[str, Any]:
+    n = draw(st.integers(1, max_units))
+    units: List[Dict[str, Any]] = []
+    for i in range(n):
+        inputs = sorted(set(draw(st.lists(st.integers(0, i - 1), max_size=2)))) if i else []
+        out = draw(st.integers(0, 1000))
+        saved = draw(st.booleans())
+        if not transients and not saved:
+            out = 0  # an unsaved output is a transient of the unit's forward (and of its replay)
+        extra = draw(st.integers(0, 300))
+        act = (out if saved else 0) + extra
+        units.append(
+            {
+                "name": f"u{i}",
+                "kind": "other",
+                "inputs": inputs,
+                "model_inputs": [] if inputs else [0],
+                "fwd_time": draw(st.floats(0.0, 2.0)),
+                "bwd_time": draw(st.floats(0.0, 4.0)),
+                "act_bytes": act,
+                "output_bytes": out,
+                "output_saved": saved,
+                "read_by": [],
+                "held_input_bytes": draw(st.integers(0, 200)) if held else 0,
+                "fwd_transient_bytes": draw(st.integers(0, 300)) if transients else 0,
+                "bwd_transient_bytes": draw(st.integers(0, 300)),
+                "grad_bytes": draw(st.integers(0, 100)),
+            }
+        )
+    # Who reads each unit's activations in backward: itself (usually) and consumers (sometimes).
+    for i, u in enumerate(units):
+        readers = {i} if draw(st.booleans()) or not u["inputs"] else set()
+        for c in range(i + 1, n):
+            if i in units[c]["inputs"] and draw(st.booleans()):
+                readers.add(c)
+        if u["act_bytes"] > 0 and not readers:
+            readers.add(i)
+        u["read_by"] = sorted(readers)
+    bw = draw(st.floats(10.0, 10000.0))
+    return {
+        "format": "tensorplace.profile",
+        "version": 1,
+        "model": "random",
+        "device": "test",
+        "memory": {"parameters": draw(st.integers(0, 1000)), "optimizer_state": 0, "inputs": 0, "workspace": 0},
+        "d2h_bandwidth": bw,
+        "h2d_bandwidth": bw * draw(st.floats(0.5, 2.0)),
+        "units": units,
+    }
+
+
+def reference_unplanned(profile: Dict[str, Any]) -> Dict[str, float]:
+    """Step time and peak of the all-retain plan, straight from the cost-model document."""
+    units = profile["units"]
+    n = len(units)
+    last_fwd = list(range(n))
+    for i, u in enumerate(units):
+        for p in u["inputs"]:
+            last_fwd[p] = max(last_fwd[p], i)
+    mem = sum(profile["memory"].values())
+    peak = mem
+    for i, u in enumerate(units):
+        alloc = u["act_bytes"] + (0 if u["output_saved"] else u["output_bytes"])
+        peak = max(peak, mem + alloc + u["fwd_transient_bytes"])
+        mem += alloc
+        for p in range(n):
+            if last_fwd[p] == i and not units[p]["output_saved"]:
+                mem -= units[p]["output_bytes"]
+        peak = max(peak, mem)
+    for i in reversed(range(n)):
+        u = units[i]
+        peak = max(peak, mem + u["bwd_transient_bytes"] + u["grad_bytes"])
+        mem += u["grad_bytes"]
+        for p in range(n):
+            if units[p]["read_by"] and min(units[p]["read_by"]) == i:
+                mem -= units[p]["act_bytes"]
+    time = sum(u["fwd_time"] + u["bwd_time"] for u in units)
+    return {"step_time": time, "peak_bytes": peak}

@@ -1,0 +1,135 @@
+"""Property tests of the evaluator's invariants on random DAG profiles (docs/cost-model.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import tensorplace as tp
+from profiles import dag_profiles, reference_unplanned
+
+ACTIONS = ["retain", "swap", "recompute"]
+BIG = 2**62
+common = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def profile_and_plan(draw, **kw):
+    p = draw(dag_profiles(**kw))
+    plan = draw(st.lists(st.sampled_from(ACTIONS), min_size=len(p["units"]), max_size=len(p["units"])))
+    return p, plan
+
+
+@common
+@given(dag_profiles())
+def test_all_retain_is_pure_compute_at_the_unplanned_peak(p):
+    r = tp.evaluate(p, ["retain"] * len(p["units"]), BIG)
+    ref = reference_unplanned(p)
+    assert r["step_time"] == pytest.approx(ref["step_time"], rel=1e-12, abs=1e-12)
+    assert r["swap_stall"] == 0 and r["recompute"] == 0
+    assert r["peak_bytes"] == ref["peak_bytes"] == tp.unplanned_peak(p)
+    assert r["feasible"]
+
+
+@common
+@given(profile_and_plan(), st.floats(0.2, 1.2))
+def test_a_feasible_result_never_exceeds_the_budget(pp, frac):
+    p, plan = pp
+    budget = max(1, int(tp.unplanned_peak(p) * frac))
+    r = tp.evaluate(p, plan, budget)
+    if r["feasible"]:
+        assert r["peak_bytes"] <= budget
+        assert all(c["peak"] <= budget for c in r["curve"])
+    else:
+        assert r["peak_bytes"] > budget and r["reason"]
+    # The time identity of the cost model.
+    assert r["step_time"] == pytest.approx(r["compute_time"] + r["swap_stall"] + r["recompute"], rel=1e-9, abs=1e-9)
+
+
+@common
+@given(profile_and_plan(), st.data())
+def test_swapping_one_more_unit_never_raises_the_peak_without_other_swaps(pp, data):
+    """With no other copy in flight, swapping a unit only ever shortens its residency."""
+    p, plan = pp
+    plan = ["recompute" if a == "swap" else a for a in plan]
+    j = data.draw(st.integers(0, len(plan) - 1))
+    before = copy.copy(plan)
+    before[j] = "retain"
+    after = copy.copy(plan)
+    after[j] = "swap"
+    assert tp.evaluate(p, after, BIG)["peak_bytes"] <= tp.evaluate(p, before, BIG)["peak_bytes"]
+
+
+@common
+@given(profile_and_plan(transients=False, held=False), st.data())
+def test_recomputing_one_more_unit_never_raises_the_peak_without_transients(pp, data):
+    """A replay allocates its forward transient (scratch and unsaved output), a recomputed unit
+    holds its unsaved inputs, and a replay chain materialises dropped or swapped inputs before
+    their own backward needs them: without those, recomputation only shortens residency."""
+    p, plan = pp
+    plan = ["retain"] * len(plan)
+    j = data.draw(st.integers(0, len(plan) - 1))
+    before = copy.copy(plan)
+    before[j] = "retain"
+    after = copy.copy(plan)
+    after[j] = "recompute"
+    assert tp.evaluate(p, after, BIG)["peak_bytes"] <= tp.evaluate(p, before, BIG)["peak_bytes"]
+
+
+@common
+@given(profile_and_plan())
+def test_a_swap_only_plan_never_exceeds_the_unplanned_peak(pp):
+    p, plan = pp
+    plan = ["swap" if a == "swap" else "retain" for a in plan]
+    assert tp.evaluate(p, plan, BIG)["peak_bytes"] <= tp.unplanned_peak(p)
+
+
+@common
+@given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.3, 1.2))
+def test_more_bandwidth_never_makes_a_plan_slower(pp, factor, frac):
+    """Unless the slower link left a swap-out in flight that the backward then reused in place
+    (a faster link completes it and must prefetch it back: docs/cost-model.md)."""
+    p, plan = pp
+    budget = max(1, int(tp.unplanned_peak(p) * frac))
+    faster = copy.deepcopy(p)
+    faster["d2h_bandwidth"] *= factor
+    faster["h2d_bandwidth"] *= factor
+    slow = tp.evaluate(p, plan, budget)
+    fast = tp.evaluate(faster, plan, budget)
+    assume(slow["feasible"] and slow["cancelled_swaps"] == 0)
+    assert fast["feasible"]
+    assert fast["cancelled_swaps"] == 0
+    assert fast["step_time"] <= slow["step_time"] * (1 + 1e-12) + 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(dag_profiles(max_units=12), st.integers(0, 2**32), st.floats(0.4, 1.0))
+def test_search_results_do_not_depend_on_thread_count(p, seed, frac):
+    budget = max(1, tp.lower_bound(p), int(tp.unplanned_peak(p) * frac))
+    kw = dict(particles=24, iterations=8, seed=seed, mutation=0.05)
+    try:
+        one = tp.plan_profile(p, budget, threads=1, **kw)
+    except tp.BudgetError:
+        with pytest.raises(tp.BudgetError):
+            tp.plan_profile(p, budget, threads=2, **kw)
+        return
+    two = tp.plan_profile(p, budget, threads=2, **kw)
+    assert one.actions == two.actions
+    assert one.convergence == {**two.convergence, "elapsed": one.convergence["elapsed"]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(dag_profiles(max_units=7), st.floats(0.3, 1.0))
+def test_pso_finds_the_exhaustive_optimum_on_tiny_graphs(p, frac):
+    budget = max(1, tp.lower_bound(p), int(tp.unplanned_peak(p) * frac))
+    try:
+        best = tp.plan_profile(p, budget, method="exhaustive")
+    except tp.BudgetError:
+        with pytest.raises(tp.BudgetError):
+            tp.plan_profile(p, budget, particles=200, iterations=30)
+        return
+    found = tp.plan_profile(p, budget, particles=200, iterations=30)
+    assert found.predicted["step_time"] == pytest.approx(best.predicted["step_time"], rel=1e-12, abs=1e-12)
