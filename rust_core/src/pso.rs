@@ -5,7 +5,9 @@
 //! action of its own best-ever plan (P2), evaluating each with the evaluator, and keeps the
 //! better (P2 on a tie, as in the paper). Two legitimate speed-ups that do not change the result:
 //! when P1[j] == P2[j] the choice is forced and nothing is evaluated, and a candidate equal to the
-//! particle's current plan reuses its known score. Particles are updated in parallel (rayon); all
+//! particle's current plan reuses its known score; and a particle whose last sweep left it where
+//! it was, with the same P1 and P2 as then, is at a fixed point of the sweep and is not swept
+//! again (the sweep is deterministic). Particles are updated in parallel (rayon); all
 //! randomness comes from per-particle generators derived from the seed, so the result does not
 //! depend on the thread count.
 
@@ -33,6 +35,8 @@ pub struct PsoSettings {
     pub mutation: f64,
     /// Stop early when the best plan has not improved for this many iterations (None: never).
     pub patience: Option<usize>,
+    /// Skip particles at a fixed point of the sweep (exact; off only to test that it is).
+    pub skip_fixed_points: bool,
 }
 
 impl Default for PsoSettings {
@@ -45,6 +49,7 @@ impl Default for PsoSettings {
             seed_extremes: true,
             mutation: 0.0,
             patience: None,
+            skip_fixed_points: true,
         }
     }
 }
@@ -183,18 +188,29 @@ pub fn search(
     let mut gbest = (positions[b].clone(), scores[b]);
     let mut trace = Trace::default();
     let mut since_improved = 0usize;
+    // Fixed points of the sweep: the particle did not move in its last sweep and neither its P1
+    // nor its P2 has changed since (only without mutation, which is random).
+    let mut unmoved = vec![false; m];
+    let mut pbest_changed = vec![true; m];
+    let mut last_p1: Vec<Action> = Vec::new();
 
     for it in 0..settings.iterations {
         let p1 = positions[argbest(&scores)].clone();
-        let results: Vec<(Score, u64)> = pool.install(|| {
+        let same_p1 = p1 == last_p1;
+        let results: Vec<(Score, u64, bool)> = pool.install(|| {
             positions
                 .par_iter_mut()
                 .zip(scores.par_iter())
                 .zip(pbest.par_iter())
                 .enumerate()
                 .map_init(
-                    || Scratch::new(n),
-                    |scratch, (i, ((cur, &s), p2))| {
+                    || (Scratch::new(n), Vec::new()),
+                    |(scratch, before), (i, ((cur, &s), p2))| {
+                        if settings.skip_fixed_points && settings.mutation == 0.0 && same_p1 && unmoved[i] && !pbest_changed[i] {
+                            return (s, 0, true);
+                        }
+                        before.clear();
+                        before.extend_from_slice(cur);
                         let (mut sc, mut ev) = sweep(g, budget, opts, scratch, cur, Some(s), &p1, p2);
                         if settings.mutation > 0.0 {
                             let mut rng = particle_rng(settings.seed, i, it as u64);
@@ -210,18 +226,22 @@ pub fn search(
                                 ev += 1;
                             }
                         }
-                        (sc, ev)
+                        (sc, ev, *before == *cur)
                     },
                 )
                 .collect()
         });
         let mut improved = false;
-        for (i, (s, ev)) in results.into_iter().enumerate() {
+        last_p1 = p1;
+        for (i, (s, ev, still)) in results.into_iter().enumerate() {
             evaluations += ev;
             scores[i] = s;
+            unmoved[i] = still;
+            pbest_changed[i] = false;
             if s.better_than(&pbest_scores[i]) {
                 pbest_scores[i] = s;
                 pbest[i].clone_from(&positions[i]);
+                pbest_changed[i] = true;
             }
             if s.better_than(&gbest.1) {
                 gbest = (positions[i].clone(), s);

@@ -132,7 +132,7 @@ fn make_plan(
     let p = parse_profile(profile_json)?;
     let settings = PlanSettings {
         eval: EvalOptions { prefetch_lookahead },
-        pso: PsoSettings { particles, iterations, seed, threads, seed_extremes, mutation, patience },
+        pso: PsoSettings { particles, iterations, seed, threads, seed_extremes, mutation, patience, skip_fixed_points: true },
     };
     let method = method.to_string();
     let plan = py.allow_threads(move || run_make_plan(&p, budget, &method, &settings, |_, _| {}));
