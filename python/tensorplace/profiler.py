@@ -1,0 +1,1039 @@
+"""The profiler: one training step of a model, cut into units and measured (docs/formats.md).
+
+`profile_model(model, example_inputs)` returns a Profile dict (format "tensorplace.profile",
+version 1). `unplanned_step_stats(model, example_inputs)` measures plain training steps (peak
+and median time) for predicted-versus-measured comparisons.
+
+What one profile call runs, all on the user's model and inputs, in training mode:
+
+1. `warmup - 1` plain steps, then the **structure step** (the last warm-up step, always run):
+   the unit tracker of `cuda_exec.units` watches its forward and finds the units (one per
+   leaf-module invocation by default), who owns each tensor that autograd saves (by storage and
+   version), who reads whose output, and the held inputs.
+2. The **memory step**: torch.profiler with `profile_memory=True` records every allocation and
+   free of torch's allocator on the model's device with a timestamp; the profiler's hooks drop a
+   marker at every stage boundary (see "Stages" below). Memory is the constant memory plus the
+   running sum of the signed allocation sizes. The profiler's own op timings are not used.
+3. The **timed steps** (`repeats` of them): perf_counter (CUDA events on a GPU) at every stage
+   boundary; per-stage times and the step time are medians over the repeats.
+
+Every step checks that the model ran the same sequence of units as the structure step: a model
+whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
+is refused, naming the first unit that differs.
+
+Stages
+------
+The timeline of a step is cut into stages, the cost model's F0..F(n-1), B(n-1)..B0:
+
+- F(i) runs from unit i's forward pre-hook to unit i+1's forward pre-hook. Functional code
+  between two units (a residual `+=`, a flatten) belongs to the unit before it. F(n-1) also
+  holds the loss computation (and F0 whatever the model does before its first unit).
+- B(i) is the backward of unit i's segment: the autograd nodes created from unit i's forward
+  pre-hook to unit i+1's (autograd sequence numbers in that range), i.e. its module call and the
+  glue after it, as cuda_exec.units defines a segment. Just before `loss.backward()` the graph is
+  walked from the loss and every such node gets a pre-hook; unit i's window runs from the first
+  of its nodes starting to the first node of another unit starting. The loss's backward belongs
+  to the first backward window; AccumulateGrad nodes (no sequence number) to the window they run
+  in. The autograd engine runs ready nodes in decreasing sequence number, so the windows come in
+  the order B(n-1)..B0. A unit with no backward node (an Identity, a unit on a path without
+  gradient) gets an empty window: time 0, transient 0.
+  (Module full-backward hooks are not used: they wrap inputs and outputs in a custom Function,
+  and `ReLU(inplace=True)` after BatchNorm then fails with "Output 0 of BackwardHookFunction is
+  a view and is being modified inplace". Node pre-hooks leave the graph as it is.)
+
+Times and memory use the same windows, so within one step the stage times add up to the step
+time and every allocation of the step lies in exactly one stage.
+
+Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
+---------------------------------------------------------------------------------
+- act_bytes, output_bytes, output_saved, read_by, held_input_bytes, inputs, model_inputs: from
+  the unit tracker (saved-tensor ownership by storage and version).
+- grad_bytes: bytes of the gradients of the unit's own parameters (`recurse=False` for a leaf
+  unit, all parameters of a coarser unit; shared parameters counted once). A module invoked more
+  than once: the gradient is allocated by the backward that runs first, i.e. by the invocation
+  with the largest index (later backwards accumulate into it), so it is charged there and the
+  other invocations get 0. The measured stages agree: the accumulation's temporary shows up as
+  bwd transient of the earlier invocations. A parameter of no unit module (an `nn.Parameter`
+  used in glue) is charged to the backward window in which its gradient is accumulated; one that
+  gets no gradient in the step (frozen, or in a module the forward does not call) to none.
+- fwd_transient_bytes / bwd_transient_bytes: the measured peak of the stage minus what the cost
+  model's all-retain walk (docs/cost-model.md) already counts at that stage, never negative. So
+  the evaluator's all-retain plan predicts exactly the measured per-stage peaks wherever the
+  model counts no more than is really there, and the measured whole-step peak with it
+  (`simulate_all_retain` is that walk, in Python, for checks). Known overcount: an in-place
+  unit (`ReLU(inplace=True)` after BatchNorm) owns, as activation, the storage its producer
+  reports as unsaved output; at the in-place unit's forward stage the model counts that storage
+  twice (the producer's output is released only after that stage). This does not move the
+  predicted peak of the CNNs tried (their peak is in backward) but is visible per stage.
+
+Constant memory
+---------------
+- parameters: bytes of the storages of all parameters **and buffers** (BatchNorm statistics),
+  shared storages counted once.
+- optimizer_state: 0 unless `optimizer=` is given: then the bytes of its state tensors; where a
+  parameter has no state yet (lazy optimizers such as Adam create it at the first step), the
+  state a step would create is measured on a throwaway optimizer of the same class over clones
+  of that parameter (the user's optimizer and parameters are not touched).
+- inputs: bytes of the storages of the example input tensors.
+- workspace: 0.
+
+The model is left as found: gradients, buffers (BatchNorm running statistics), training flags
+and torch's RNG states are restored, and every hook is removed, also when a step raises.
+
+Loss
+----
+`loss_fn(output)` if given (a scalar tensor). Otherwise `default_loss`: a 2-D floating output is
+taken as classification logits and the loss is cross-entropy against class 0 for every sample (a
+real classification loss, so the backward allocates what a real one does); any other tensor is
+summed; a tuple, list or dict of outputs gets the sum of those losses over its floating tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "ProfilerError",
+    "profile_model",
+    "unplanned_step_stats",
+    "default_loss",
+    "simulate_all_retain",
+    "numpy_copy_bandwidth",
+    "copy_bandwidth",
+]
+
+PROFILE_FORMAT = "tensorplace.profile"
+PROFILE_VERSION = 1
+
+
+class ProfilerError(ValueError):
+    """A model, input or setting the profiler refuses; the message says what and how to fix it."""
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers: inputs, devices, sizes, loss
+# --------------------------------------------------------------------------------------------
+
+
+def _as_args(example_inputs: Any) -> Tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise ProfilerError(
+        f"example_inputs must be a tensor or a tuple/list of positional arguments, not "
+        f"{type(example_inputs).__name__}"
+    )
+
+
+def _tensors_in(obj: Any) -> List[torch.Tensor]:
+    """Tensors in a (nested) structure of tuples, lists and dicts, in order."""
+    out: List[torch.Tensor] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (tuple, list)):
+            for x in o:
+                walk(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                walk(x)
+
+    walk(obj)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> Tuple[Any, ...]:
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr(), s.nbytes())
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a storage shared by views counted once)."""
+    seen = set()
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        key = _storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if not devices:
+        raise ProfilerError(
+            "the model has no parameters: tensorplace profiles a training step, which needs "
+            "parameters that require grad"
+        )
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ProfilerError(
+            f"the model's parameters and buffers are on several devices ({names}); tensorplace "
+            f"profiles a model on one device: move it with model.to(device)"
+        )
+    return next(iter(devices))
+
+
+def _check_inputs_device(args: Sequence[Any], device: torch.device) -> None:
+    for i, a in enumerate(args):
+        for t in _tensors_in(a):
+            if t.device != device:
+                raise ProfilerError(
+                    f"example input {i} is on {t.device} but the model's parameters are on "
+                    f"{device}; move the inputs with x.to({str(device)!r}) (or the model with "
+                    f"model.to({str(t.device)!r})) so that both are on one device"
+                )
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss used when none is given (see the module docstring)."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 2 and output.is_floating_point() and output.shape[1] > 0:
+            labels = torch.zeros(output.shape[0], dtype=torch.long, device=output.device)
+            return nn.functional.cross_entropy(output, labels)
+        return output.sum()
+    parts = [default_loss(t) for t in _tensors_in(output) if t.is_floating_point() and t.requires_grad]
+    if not parts:
+        raise ProfilerError(
+            f"the model's output ({type(output).__name__}) holds no floating tensor that requires "
+            f"grad; pass loss_fn=... that turns the output into a scalar loss"
+        )
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _loss_of(output: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> torch.Tensor:
+    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ProfilerError(f"loss_fn must return a scalar tensor, it returned {got}")
+    if not loss.requires_grad:
+        raise ProfilerError(
+            "the loss does not require grad: no parameter of the model contributes to it "
+            "(is the model's forward run under torch.no_grad, or are all parameters frozen?)"
+        )
+    return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Copy bandwidth
+# --------------------------------------------------------------------------------------------
+
+
+def numpy_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> Tuple[float, float]:
+    """(device_to_host, host_to_device) bytes per second on a CPU without a backend: the median
+    of `repeats` copies of `nbytes` between a torch tensor (torch's allocator: the device tier)
+    and a numpy buffer (memory outside it: the host tier), after one untimed copy each way.
+    A stand-in used only when no cuda_exec backend can be asked."""
+    nbytes = max(int(nbytes), 1)
+    dev = torch.empty(nbytes, dtype=torch.uint8)
+    dev.fill_(1)
+    host = np.empty(nbytes, dtype=np.uint8)
+    dev_np = dev.numpy()
+    result = []
+    for direction in ("d2h", "h2d"):
+        times = []
+        for k in range(max(1, repeats) + 1):
+            t0 = time.perf_counter()
+            if direction == "d2h":
+                np.copyto(host, dev_np)
+            else:
+                dev.copy_(torch.from_numpy(host))
+            dt = time.perf_counter() - t0
+            if k:
+                times.append(max(dt, 1e-9))
+        result.append(nbytes / statistics.median(times))
+    return result[0], result[1]
+
+
+def _cuda_exec_module(name: str):
+    """Import cuda_exec.<name>, also from this checkout's cuda_exec/ folder; None if absent."""
+    try:
+        return importlib.import_module(f"cuda_exec.{name}")
+    except ImportError:
+        pass
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidate = os.path.normpath(os.path.join(here, "..", "..", "cuda_exec"))
+    if os.path.isdir(os.path.join(candidate, "cuda_exec")) and candidate not in sys.path:
+        sys.path.append(candidate)
+        try:
+            return importlib.import_module(f"cuda_exec.{name}")
+        except ImportError:
+            return None
+    return None
+
+
+def copy_bandwidth(device: torch.device, backend: Any = None, nbytes: int = 64 << 20) -> Tuple[float, float]:
+    """(d2h, h2d) bytes per second measured with `backend.bandwidth(nbytes)` if a backend is
+    given; otherwise with the default backend of cuda_exec for the device (closed afterwards);
+    otherwise, on a CPU, with `numpy_copy_bandwidth`."""
+    if backend is not None:
+        d2h, h2d = backend.bandwidth(nbytes)
+        return float(d2h), float(h2d)
+    made = _default_backend(device)
+    if made is not None:
+        try:
+            d2h, h2d = made.bandwidth(nbytes)
+            return float(d2h), float(h2d)
+        finally:
+            close = getattr(made, "close", None)
+            if close is not None:
+                close()
+    if device.type == "cpu":
+        return numpy_copy_bandwidth(nbytes)
+    raise ProfilerError(
+        f"cannot measure copy bandwidth on {device}: cuda_exec's backend for it is not available; "
+        f"pass backend=... (an object with .bandwidth(nbytes) -> (d2h, h2d))"
+    )
+
+
+def _default_backend(device: torch.device) -> Any:
+    if device.type == "cpu":
+        mod = _cuda_exec_module("cpu_backend")
+        cls = getattr(mod, "CpuBackend", None) if mod is not None else None
+        return cls() if cls is not None else None
+    if device.type == "cuda":
+        mod = _cuda_exec_module("cuda_backend")
+        cls = getattr(mod, "CudaBackend", None) if mod is not None else None
+        return cls(device) if cls is not None else None
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model's all-retain walk (docs/cost-model.md), for transients and checks
+# --------------------------------------------------------------------------------------------
+
+
+def _last_fwd_readers(units: Sequence[Dict[str, Any]]) -> List[int]:
+    last = list(range(len(units)))
+    for i, u in enumerate(units):
+        for p in u.get("inputs", []):
+            last[p] = max(last[p], i)
+    return last
+
+
+def _counted_all_retain(units: Sequence[Dict[str, Any]], constant: int) -> Tuple[List[int], List[int]]:
+    """What the evaluator's all-retain walk counts at each stage before transients:
+    (fwd[i], bwd[i]) = memory at the stage's start plus what the stage allocates."""
+    n = len(units)
+    last_fwd = _last_fwd_readers(units)
+    releases: List[List[int]] = [[] for _ in range(n)]
+    for u in range(n):
+        releases[last_fwd[u]].append(u)
+    frees: List[List[int]] = [[] for _ in range(n)]
+    for u, unit in enumerate(units):
+        readers = unit.get("read_by", [])
+        if readers:
+            frees[min(readers)].append(u)
+    mem = constant
+    fwd = [0] * n
+    for i, u in enumerate(units):
+        alloc = u["act_bytes"] + (0 if u.get("output_saved", True) else u.get("output_bytes", 0))
+        fwd[i] = mem + alloc
+        mem += alloc
+        for r in releases[i]:
+            if not units[r].get("output_saved", True):
+                mem -= units[r].get("output_bytes", 0)
+    bwd = [0] * n
+    for i in range(n - 1, -1, -1):
+        bwd[i] = mem + units[i].get("grad_bytes", 0)
+        mem = bwd[i]
+        for r in frees[i]:
+            mem -= units[r]["act_bytes"]
+    return fwd, bwd
+
+
+def simulate_all_retain(profile: Dict[str, Any]) -> Dict[str, Any]:
+    """The evaluator's all-retain memory walk over a Profile dict, in Python.
+
+    Returns {"peak_bytes", "peak_stage" ("start", "fwd:i" or "bwd:i"), "fwd": [stage peaks],
+    "bwd": [stage peaks]}: a stage's peak is the memory at its start plus what it allocates plus
+    its transient, as docs/cost-model.md defines them. For the all-retain plan this is what
+    `tensorplace._core.unplanned_peak` computes; the profiler derives the transients from it."""
+    units = profile["units"]
+    constant = sum(int(v) for v in profile["memory"].values())
+    fwd, bwd = _counted_all_retain(units, constant)
+    fwd_peaks = [c + u.get("fwd_transient_bytes", 0) for c, u in zip(fwd, units)]
+    bwd_peaks = [c + u.get("bwd_transient_bytes", 0) for c, u in zip(bwd, units)]
+    peak, stage = constant, "start"
+    for i, v in enumerate(fwd_peaks):
+        if v > peak:
+            peak, stage = v, f"fwd:{i}"
+    for i in range(len(units) - 1, -1, -1):
+        if bwd_peaks[i] > peak:
+            peak, stage = bwd_peaks[i], f"bwd:{i}"
+    return {"peak_bytes": peak, "peak_stage": stage, "fwd": fwd_peaks, "bwd": bwd_peaks}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: torch's own allocation records, cut into stages
+# --------------------------------------------------------------------------------------------
+
+
+def _profiler_activities(device: torch.device) -> List[Any]:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+@contextlib.contextmanager
+def _memory_recording(device: torch.device):
+    """torch.profiler recording allocations; yields a list filled, on exit, with the events
+    (ns, delta_bytes or None, marker label or None) on `device`, in time order."""
+    events: List[Tuple[int, Optional[int], Optional[str]]] = []
+    with torch.profiler.profile(activities=_profiler_activities(device), profile_memory=True) as prof:
+        yield events
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    want = torch.device(device).type
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if name == "[memory]":
+            dev_type = str(e.device_type()).split(".")[-1].lower()
+            if dev_type != want:
+                continue
+            if want == "cuda" and device.index is not None and e.device_index() not in (-1, device.index):
+                continue
+            events.append((e.start_ns(), int(e.nbytes()), None))
+        elif name.startswith(_MARK):
+            events.append((e.start_ns(), None, name[len(_MARK):]))
+    # memory before markers at equal timestamps: a marker's range is empty
+    events.sort(key=lambda ev: (ev[0], ev[1] is None))
+
+
+def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> Tuple[Dict[Tuple[str, int], int], int]:
+    """Peak of the running allocation sum (relative to the step's start) per stage, and over the
+    whole step. Stage keys: ("fwd", i) and ("bwd", i); the region between the backward call and
+    the first backward window (the loss's backward) joins that window."""
+    level = 0
+    overall = 0
+    peaks: Dict[Tuple[str, int], int] = {}
+    stage: Optional[Tuple[str, int]] = None
+    pending: Optional[int] = None  # peak of the loss-backward region, not yet given to a unit
+    started = False
+    for _, delta, label in events:
+        if label is not None:
+            if label == "step":
+                started = True
+                stage = ("fwd", 0)
+            elif label == "end":
+                break
+            elif label == "backward":
+                stage = None
+                pending = level
+            elif label[0] == "F":
+                stage = ("fwd", int(label[1:]))
+            elif label[0] == "B":
+                stage = ("bwd", int(label[1:]))
+                if pending is not None:
+                    peaks[stage] = max(peaks.get(stage, pending), pending)
+                    pending = None
+            else:
+                continue
+            if stage is not None:
+                peaks[stage] = max(peaks.get(stage, level), level)
+            continue
+        if not started:
+            continue
+        level += delta
+        overall = max(overall, level)
+        if stage is not None:
+            if level > peaks[stage]:
+                peaks[stage] = level
+        elif pending is not None:
+            pending = max(pending, level)
+    return peaks, overall
+
+
+# --------------------------------------------------------------------------------------------
+# Model state: leave the model as found
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _preserved(model: nn.Module, device: torch.device):
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, mode in modes:
+            m.training = mode
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def _optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the optimizer's state tensors; a parameter without state yet is charged what
+    one step of a throwaway optimizer of the same class creates for a clone of it."""
+    if optimizer is None:
+        return 0
+    tensors: List[torch.Tensor] = []
+    estimated = 0
+    cache: Dict[Tuple[Any, ...], int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = optimizer.state.get(p)
+            if state:
+                tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+                continue
+            key = (gi, tuple(p.shape), p.dtype, p.device)
+            if key not in cache:
+                cache[key] = _probe_state_bytes(optimizer, group, p)
+            estimated += cache[key]
+    return _storage_bytes(tensors) + estimated
+
+
+def _probe_state_bytes(optimizer: Any, group: Dict[str, Any], p: torch.Tensor) -> int:
+    q = nn.Parameter(torch.zeros_like(p))
+    q.grad = torch.zeros_like(p)
+    options = {k: v for k, v in group.items() if k != "params"}
+    try:
+        try:
+            probe = type(optimizer)([dict(options, params=[q])], **getattr(optimizer, "defaults", {}))
+        except TypeError:  # a constructor that does not take its defaults back as keywords
+            probe = type(optimizer)([dict(options, params=[q])])
+        probe.step()
+    except Exception as exc:  # noqa: BLE001 - any failure means we cannot estimate
+        raise ProfilerError(
+            f"cannot tell the optimizer state of {type(optimizer).__name__} before its first step "
+            f"({type(exc).__name__}: {exc}); run one optimizer step before profiling, or leave "
+            f"optimizer= out"
+        ) from exc
+    return _storage_bytes(v for v in probe.state.get(q, {}).values() if isinstance(v, torch.Tensor))
+
+
+# --------------------------------------------------------------------------------------------
+# Units (cuda_exec.units) and the instruments of one step
+# --------------------------------------------------------------------------------------------
+
+
+def _units_module():
+    mod = _cuda_exec_module("units")
+    if mod is None:
+        raise ProfilerError(
+            "cuda_exec.units is not importable: install cuda_exec (pip install -e cuda_exec) or put "
+            "the checkout's cuda_exec/ folder on PYTHONPATH"
+        )
+    return mod
+
+
+def _discover(model: nn.Module, units: Any) -> Dict[nn.Module, str]:
+    """Unit modules: cuda_exec.units.discover_units, which takes module classes and instances;
+    qualified module names (strings) are also accepted here and looked up in the model."""
+    specs = None
+    if units is not None:
+        specs = []
+        for u in units:
+            if isinstance(u, str):
+                try:
+                    specs.append(model.get_submodule(u))
+                except AttributeError as exc:
+                    raise ProfilerError(f"units names {u!r}, which is not a submodule of the model") from exc
+            elif isinstance(u, (type, nn.Module)):
+                specs.append(u)
+            else:
+                raise ProfilerError(
+                    f"units must hold module classes, module instances or qualified names, not "
+                    f"{type(u).__name__}"
+                )
+    found = _units_module().discover_units(model, specs)
+    if not found:
+        raise ProfilerError("no module of the model was chosen as a unit")
+    return found
+
+
+_seq_nr = torch._C._autograd._get_sequence_nr
+
+
+class _Clock:
+    """Timestamps at stage boundaries: perf_counter on a CPU; CUDA events on a GPU (read after
+    the step's synchronize)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+_MARK = "tensorplace::"
+
+
+class _Instruments:
+    """Light hooks for one step: forward pre/post hooks on the unit modules (same unit rules as
+    cuda_exec.units: a unit module called inside another unit is part of the outer one; the k-th
+    call of a module is named `name#k`), and, just before the backward, pre-hooks on the autograd
+    nodes created in each unit's segment (sequence numbers from the unit's start to the next
+    unit's start) plus post-accumulate-grad hooks on parameters of no unit module.
+
+    At every stage boundary it reads the clock and, with `markers`, drops a zero-length profiler
+    range (tensorplace::F<i>, ::B<i>, ::step, ::backward, ::end) whose timestamp cuts the memory
+    records. `remove()` takes every hook away and is always called (in a finally)."""
+
+    def __init__(self, unit_map: Dict[nn.Module, str], kind_of: Callable[[nn.Module], str], clock: _Clock,
+                 markers: bool, watch_params: Sequence[nn.Parameter] = ()):
+        self.unit_map = unit_map
+        self.kind_of = kind_of
+        self.clock = clock
+        self.markers = markers
+        self.watch_params = list(watch_params)
+        self.handles: List[Any] = []
+        self.sequence: List[Tuple[str, str]] = []
+        self.fwd_start: List[Any] = []
+        self.seq_start: List[int] = []
+        self.seq_end = 0
+        self.bwd_windows: List[Tuple[int, Any]] = []  # (unit, clock) where each window starts
+        self.grad_window: Dict[int, int] = {}  # id(param) -> unit whose window accumulated it
+        self.step_begin: Any = None
+        self.bwd_begin: Any = None
+        self.bwd_end: Any = None
+        self._depth = 0
+        self._calls: Dict[nn.Module, int] = {}
+        self._bwd_current: Optional[int] = None
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        for module in self.unit_map:
+            self.handles.append(module.register_forward_pre_hook(self._pre))
+            self.handles.append(module.register_forward_hook(self._post))
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.remove()
+        self._depth = 0
+
+    def mark(self, label: str) -> Any:
+        if self.markers:
+            with torch.profiler.record_function(_MARK + label):
+                pass
+        return self.clock.now()
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        call = self._calls.get(module, 0)
+        self._calls[module] = call + 1
+        name = self.unit_map[module] if call == 0 else f"{self.unit_map[module]}#{call}"
+        idx = len(self.sequence)
+        self.sequence.append((name, self.kind_of(module)))
+        self.fwd_start.append(self.mark(f"F{idx}"))
+        self.seq_start.append(_seq_nr())
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def forward_done(self) -> None:
+        self.seq_end = _seq_nr()
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Hook the autograd nodes of every unit's segment, and the watched parameters."""
+        starts = self.seq_start
+        n = len(starts)
+        if n:
+            lo, hi = starts[0], self.seq_end
+            stack = [loss.grad_fn]
+            seen = set()
+            while stack:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                s = node._sequence_nr()
+                if lo <= s < hi:
+                    unit = _bisect_right(starts, s) - 1
+                    self.handles.append(node.register_prehook(self._node_pre(unit)))
+                for nxt, _ in node.next_functions:
+                    stack.append(nxt)
+        for p in self.watch_params:
+            self.handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        self.bwd_begin = self.mark("backward")
+
+    def _node_pre(self, unit: int):
+        def hook(grad_outputs):
+            if self._bwd_current != unit:
+                self._bwd_current = unit
+                self.bwd_windows.append((unit, self.mark(f"B{unit}")))
+            return None
+
+        return hook
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        if id(p) not in self.grad_window:
+            self.grad_window[id(p)] = self._bwd_current if self._bwd_current is not None else -1
+
+    # -- results -------------------------------------------------------------------------------
+
+    def stage_times(self) -> Tuple[List[float], List[float], float]:
+        """(fwd[i], bwd[i], step) seconds; the windows of the module docstring."""
+        n = len(self.sequence)
+        sec = self.clock.seconds
+        fwd = [0.0] * n
+        for i in range(n):
+            start = self.step_begin if i == 0 else self.fwd_start[i]
+            end = self.fwd_start[i + 1] if i + 1 < n else self.bwd_begin
+            fwd[i] = max(0.0, sec(start, end))
+        bwd = [0.0] * n
+        for k, (unit, t) in enumerate(self.bwd_windows):
+            start = self.bwd_begin if k == 0 else t
+            end = self.bwd_windows[k + 1][1] if k + 1 < len(self.bwd_windows) else self.bwd_end
+            bwd[unit] += max(0.0, sec(start, end))
+        return fwd, bwd, max(0.0, sec(self.step_begin, self.bwd_end))
+
+
+def _bisect_right(a: Sequence[int], x: int) -> int:
+    lo, hi = 0, len(a)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < a[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _clear_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _run_step(model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, inst: Optional[_Instruments] = None,
+              tracker: Any = None) -> None:
+    """One training step (forward, loss, backward; no optimizer step), gradients set to None
+    first. `inst` instruments it (installed and always removed here); `tracker` (a
+    cuda_exec.units.UnitTracker) watches the model's forward."""
+    _clear_grads(model)
+    if inst is not None:
+        inst.install()
+    try:
+        with torch.enable_grad():
+            if inst is not None:
+                inst.step_begin = inst.mark("step")
+            if tracker is not None:
+                with tracker:
+                    output = model(*args)
+            else:
+                output = model(*args)
+            if inst is not None:
+                inst.forward_done()
+            loss = _loss_of(output, loss_fn)
+            if inst is not None:
+                inst.before_backward(loss)
+            loss.backward()
+            if inst is not None:
+                inst.bwd_end = inst.mark("end")
+                inst.clock.sync()
+            del output, loss
+    finally:
+        if inst is not None:
+            inst.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# The public functions
+# --------------------------------------------------------------------------------------------
+
+
+def _check_sequence(units_mod: Any, expected: Sequence[Tuple[str, str]], actual: Sequence[Tuple[str, str]],
+                    what: str) -> None:
+    diff = units_mod.sequence_mismatch(expected, actual)
+    if diff is not None:
+        raise ProfilerError(
+            f"the model ran a different sequence of units in {what} than in the warm-up step "
+            f"({diff}): data-dependent control flow (or randomness in which modules run) makes "
+            f"the unit graph change between steps, and a plan needs one fixed graph; make the "
+            f"forward take the same path for these inputs, or make the varying part one coarse "
+            f"unit (units=[...])"
+        )
+
+
+def _prepare(model: Any, example_inputs: Any, device: Any) -> Tuple[Tuple[Any, ...], torch.device]:
+    if not isinstance(model, nn.Module):
+        raise ProfilerError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    args = _as_args(example_inputs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ProfilerError(
+            "the model has no trainable parameters (none requires grad): tensorplace plans the "
+            "memory of a training step; unfreeze some parameters (p.requires_grad_(True))"
+        )
+    dev = _model_device(model)
+    if device is not None:
+        want = torch.device(device)
+        if want.type != dev.type or (want.index is not None and dev.index is not None and want.index != dev.index):
+            raise ProfilerError(
+                f"device={str(want)!r} was asked for but the model's parameters are on {dev}; move "
+                f"the model with model.to({str(want)!r}) or leave device= out"
+            )
+    _check_inputs_device(args, dev)
+    return args, dev
+
+
+def _constant_memory(model: nn.Module, args: Sequence[Any], optimizer: Any) -> Dict[str, int]:
+    own = list(model.parameters()) + list(model.buffers())
+    own_keys = {_storage_key(t) for t in own}
+    inputs = [t for t in _tensors_in(list(args)) if _storage_key(t) not in own_keys]
+    return {
+        "parameters": _storage_bytes(own),
+        "optimizer_state": _optimizer_state_bytes(optimizer),
+        "inputs": _storage_bytes(inputs),
+        "workspace": 0,
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def _grad_bytes(records: Sequence[Any], unit_map: Dict[nn.Module, str], model: nn.Module,
+                grad_window: Dict[int, int]) -> List[int]:
+    """Per unit, bytes of the parameter gradients its backward allocates (module docstring).
+
+    `grad_window`: id(parameter) -> the backward window in which its gradient was accumulated,
+    for the parameters that got one in the memory step (the others are charged nowhere)."""
+    n = len(records)
+    grads = [0] * n
+    modules = {name: m for m, name in unit_map.items()}
+    last_call: Dict[str, int] = {}
+    for r in records:
+        last_call[r.module_name] = r.index  # records are in order: the last one wins
+    charged = set()
+    for name in sorted(last_call, key=lambda k: -last_call[k]):
+        for p in modules[name].parameters():
+            if id(p) in grad_window and id(p) not in charged:
+                charged.add(id(p))
+                grads[last_call[name]] += p.numel() * p.element_size()
+    for p in model.parameters():  # parameters of no unit module that ran: used in glue
+        if id(p) in grad_window and id(p) not in charged:
+            charged.add(id(p))
+            unit = grad_window[id(p)]
+            grads[unit if 0 <= unit < n else n - 1] += p.numel() * p.element_size()
+    return grads
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    units: Optional[Iterable[Any]] = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    backend: Any = None,
+    device: Any = None,
+    *,
+    optimizer: Any = None,
+    name: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Profile one training step of `model` on `example_inputs`; returns a Profile dict
+    (docs/formats.md, version 1). See the module docstring for what is measured and how.
+
+    - example_inputs: a tensor, or a tuple/list of positional arguments of `model`.
+    - loss_fn(output) -> scalar tensor; default `default_loss`.
+    - units: None (leaf modules) or module classes / instances / qualified names to use as
+      coarser units (cuda_exec.units.discover_units).
+    - warmup: steps before the measured ones (at least one is run: the structure step).
+    - repeats: timed steps; times are their medians.
+    - backend: an object with `.bandwidth(nbytes) -> (d2h, h2d)` (a cuda_exec backend); default:
+      cuda_exec's backend for the device, else a numpy copy measurement on a CPU.
+    - device: the device the caller expects the model on (checked, never moved to).
+    - optimizer: counted as constant memory (its state) when given; never stepped.
+    - name: the profile's "model" field (default: the model's class name, lower case).
+
+    Raises ProfilerError for inputs on another device than the parameters, a model without
+    trainable parameters, or a unit sequence that changes between steps."""
+    args, dev = _prepare(model, example_inputs, device)
+    if int(repeats) < 1:
+        raise ProfilerError(f"repeats must be at least 1, got {repeats}")
+    if int(warmup) < 0:
+        raise ProfilerError(f"warmup must be >= 0, got {warmup}")
+    units_mod = _units_module()
+    unit_map = _discover(model, units)
+    clock = _Clock(dev)
+    with _preserved(model, dev):
+        model.train()
+        for _ in range(int(warmup) - 1):
+            _run_step(model, args, loss_fn)
+        # The structure step (the last warm-up step): units, ownership, edges.
+        tracker = units_mod.UnitTracker(model, unit_modules=unit_map)
+        _run_step(model, args, loss_fn, tracker=tracker)
+        records = list(tracker.records)
+        expected = [(r.name, r.kind) for r in records]
+        n = len(records)
+        if n == 0:
+            raise ProfilerError("the model's forward called none of its unit modules")
+        kind_of = units_mod.unit_kind
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # The memory step.
+        _clear_grads(model)
+        gc.collect()
+        inst = _Instruments(unit_map, kind_of, clock, markers=True, watch_params=trainable)
+        with _memory_recording(dev) as events:
+            _run_step(model, args, loss_fn, inst=inst)
+        _check_sequence(units_mod, expected, inst.sequence, "the memory step")
+        peaks, overall = _stage_peaks(events)
+        grad_window = dict(inst.grad_window)
+        # The timed steps.
+        fwd_runs: List[List[float]] = []
+        bwd_runs: List[List[float]] = []
+        step_runs: List[float] = []
+        for k in range(int(repeats)):
+            inst = _Instruments(unit_map, kind_of, clock, markers=False)
+            _run_step(model, args, loss_fn, inst=inst)
+            _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
+            fwd, bwd, step = inst.stage_times()
+            fwd_runs.append(fwd)
+            bwd_runs.append(bwd)
+            step_runs.append(step)
+        _clear_grads(model)
+        constant = _constant_memory(model, args, optimizer)
+    d2h, h2d = copy_bandwidth(dev, backend)
+
+    grads = _grad_bytes(records, unit_map, model, grad_window)
+    out_units: List[Dict[str, Any]] = []
+    for i, r in enumerate(records):
+        out_units.append({
+            "name": r.name,
+            "kind": r.kind,
+            "inputs": list(r.inputs),
+            "model_inputs": list(r.model_inputs),
+            "fwd_time": statistics.median(run[i] for run in fwd_runs),
+            "bwd_time": statistics.median(run[i] for run in bwd_runs),
+            "act_bytes": int(r.act_bytes),
+            "output_bytes": int(r.output_bytes),
+            "output_saved": bool(r.output_saved),
+            "read_by": list(r.read_by),
+            "held_input_bytes": int(r.held_input_bytes),
+            "fwd_transient_bytes": 0,
+            "bwd_transient_bytes": 0,
+            "grad_bytes": int(grads[i]),
+        })
+    const_total = sum(constant.values())
+    fwd_c, bwd_c = _counted_all_retain(out_units, const_total)
+    for i, u in enumerate(out_units):
+        f = peaks.get(("fwd", i))
+        b = peaks.get(("bwd", i))
+        if f is not None:
+            u["fwd_transient_bytes"] = max(0, const_total + f - fwd_c[i])
+        if b is not None:
+            u["bwd_transient_bytes"] = max(0, const_total + b - bwd_c[i])
+    first = next((t for t in _tensors_in(list(args)) if t.dim() > 0), None)
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "model": name if name is not None else type(model).__name__.lower(),
+        "device": _device_name(dev),
+        "batch_size": int(first.shape[0]) if first is not None else None,
+        "memory": constant,
+        "d2h_bandwidth": d2h,
+        "h2d_bandwidth": h2d,
+        "measured": {"peak_bytes": const_total + overall, "step_time": statistics.median(step_runs)},
+        "units": out_units,
+    }
+
+
+def unplanned_step_stats(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    repeats: int = 3,
+    *,
+    warmup: int = 1,
+    optimizer: Any = None,
+) -> Dict[str, Any]:
+    """Plain training steps (forward, loss, backward, gradients set to None before each), as a
+    user runs them without a plan: `warmup` untimed steps, one step under torch.profiler for the
+    peak (`cuda_exec.memory.measure_peak`, the executor's own instrument), `repeats` timed steps
+    without any instrument.
+
+    Returns {"peak_bytes": constant memory + the step's peak of torch's allocations (the same
+    accounting as a Profile's measured.peak_bytes), "peak_delta_bytes": the peak above the
+    memory at the step's start, "constant_bytes", "step_time": median seconds, "step_times"}.
+    The model is left as found."""
+    args, dev = _prepare(model, example_inputs, None)
+    if int(repeats) < 1:
+        raise ProfilerError(f"repeats must be at least 1, got {repeats}")
+    memory_mod = _cuda_exec_module("memory")
+    if memory_mod is None:
+        raise ProfilerError("cuda_exec.memory is not importable: install cuda_exec or put its folder on PYTHONPATH")
+    clock = _Clock(dev)
+    with _preserved(model, dev):
+        model.train()
+        for _ in range(max(0, int(warmup))):
+            _run_step(model, args, loss_fn)
+        _clear_grads(model)
+        gc.collect()
+        clock.sync()
+        # the executor's instrument (cuda_exec.memory), so that planned and unplanned steps are
+        # measured the same way
+        _, trace = memory_mod.measure_peak(_run_step, model, args, loss_fn, device=dev.type)
+        delta = int(trace.peak_bytes)
+        times = []
+        for _ in range(int(repeats)):
+            _clear_grads(model)
+            clock.sync()
+            t0 = clock.now()
+            _run_step(model, args, loss_fn)
+            t1 = clock.now()
+            clock.sync()
+            times.append(clock.seconds(t0, t1))
+        _clear_grads(model)
+        constant = sum(_constant_memory(model, args, optimizer).values())
+    return {
+        "peak_bytes": constant + delta,
+        "peak_delta_bytes": delta,
+        "constant_bytes": constant,
+        "step_time": statistics.median(times),
+        "step_times": times,
+    }
