@@ -11,11 +11,14 @@ The planner works on profiles too: ``tp.plan_profile(tp.examples.profile("vgg16"
 """
 
 from . import examples
+from .api import plan, run
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
 from .planning import Plan, evaluate, load_profile, lower_bound, plan_profile, save_profile, unplanned_peak
 
 __all__ = [
+    "plan",
+    "run",
     "BudgetError",
     "Plan",
     "PlannerError",

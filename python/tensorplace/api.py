@@ -1,0 +1,133 @@
+"""The user-facing API: ``plan()`` profiles and searches, ``run()`` trains under the plan."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from cuda_exec.executor import PlannedModule
+from cuda_exec.units import discover_units
+
+from ._core import PlannerError
+from .budget import Budget
+from .planning import Plan, plan_profile
+from .profiler import profile_model
+
+
+def _inputs_tuple(example_inputs: Any) -> Tuple[Any, ...]:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def parameters_fingerprint(model: nn.Module) -> str:
+    """Names, shapes and dtypes of the model's parameters and buffers (not their values)."""
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def inputs_fingerprint(args: Sequence[Any]) -> str:
+    """Shapes and dtypes of the tensor inputs of a forward."""
+    h = hashlib.sha256()
+    for a in args:
+        h.update((f"{tuple(a.shape)}:{a.dtype};" if isinstance(a, torch.Tensor) else f"{type(a).__name__};").encode())
+    return h.hexdigest()[:16]
+
+
+def _describe_inputs(args: Sequence[Any]) -> str:
+    return ", ".join(str(tuple(a.shape)) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: Budget,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    method: str = "pso",
+    *,
+    units: Optional[Iterable[Any]] = None,
+    optimizer: Any = None,
+    backend: Any = None,
+    repeats: int = 3,
+    **search: Any,
+) -> Plan:
+    """Profile one training step of ``model`` on ``example_inputs`` and search a plan that fits
+    ``budget`` (the whole step's device memory: parameters, gradients, optimizer state,
+    activations; bytes or a string like "6GiB").
+
+    ``loss_fn(output)`` gives the scalar the step differentiates (default: cross-entropy for 2-D
+    logits, else the sum). ``units``: module classes, instances or names to plan as coarse units
+    (default: leaf modules). ``optimizer``: counted as constant memory. ``search``: settings of
+    ``plan_profile`` (particles, iterations, seed, threads, ...). The profile is kept on the plan
+    (``plan.profile``) and saved with it.
+    """
+    profile = profile_model(
+        model, example_inputs, loss_fn=loss_fn, units=units, repeats=repeats, backend=backend, optimizer=optimizer
+    )
+    result = plan_profile(profile, budget, method, **search)
+    data = result.to_dict()
+    data["model_fingerprint"] = (
+        f"params:{parameters_fingerprint(model)};inputs:{inputs_fingerprint(_inputs_tuple(example_inputs))}"
+    )
+    data["profile"] = profile
+    if units is not None:
+        data["unit_modules"] = sorted(set(discover_units(model, units).values()))
+    data["input_shapes"] = _describe_inputs(_inputs_tuple(example_inputs))
+    return Plan(data)
+
+
+class PlannedTraining(PlannedModule):
+    """``run()``'s module: the executor plus the checks that the plan belongs to this model and
+    this input shape."""
+
+    def __init__(self, model: nn.Module, plan: Plan, **kwargs: Any):
+        super().__init__(model, plan.to_dict(), **kwargs)
+        self._expected_inputs: Optional[str] = None
+        self._planned_shapes = plan.to_dict().get("input_shapes", "?")
+        fp = plan.model_fingerprint
+        if fp:
+            parts = dict(p.split(":", 1) for p in fp.split(";") if ":" in p)
+            if "params" in parts and parts["params"] != parameters_fingerprint(model):
+                raise PlannerError(
+                    "this plan was made for another model (its parameters differ in name, shape or dtype); "
+                    "re-plan with tensorplace.plan(model, example_inputs, budget)"
+                )
+            self._expected_inputs = parts.get("inputs")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.model.training and torch.is_grad_enabled() and self._expected_inputs is not None:
+            got = inputs_fingerprint(args)
+            if got != self._expected_inputs:
+                raise PlannerError(
+                    f"inputs of shape {_describe_inputs(args)} differ from the planned {self._planned_shapes}: "
+                    "activation sizes change with the input shape, so the plan no longer fits; re-plan with "
+                    "tensorplace.plan(model, inputs_of_this_shape, budget), or keep the batch shape fixed "
+                    "(drop_last=True in the DataLoader)"
+                )
+        return super().forward(*args, **kwargs)
+
+
+def run(
+    model: nn.Module,
+    plan: Union[Plan, str, "os.PathLike[str]"],
+    *,
+    backend: Any = None,
+    units: Optional[Iterable[Any]] = None,
+    verify: Optional[bool] = None,
+) -> PlannedTraining:
+    """``model`` as an ``nn.Module`` that trains under ``plan`` (a Plan or a plan file path).
+
+    It shares ``model``'s parameters; use it in your own loop with any optimizer. In eval mode
+    or under ``torch.no_grad()`` it simply runs the model. ``backend``: the host tier (default:
+    the CPU backend on CPU, the CUDA backend on a GPU). ``verify``: checksum every moved or
+    dropped tensor and fail loudly on a mismatch (default: the ``TENSORPLACE_VERIFY`` variable).
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if units is None:
+        units = plan.to_dict().get("unit_modules")
+    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify)
