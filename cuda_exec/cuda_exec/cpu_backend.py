@@ -1,0 +1,317 @@
+"""The CPU backend: the host tier is memory outside torch's allocator.
+
+On CPU the device tier is torch's CPU allocator (what ``torch.profiler`` counts) and the host tier
+is numpy memory (or file-backed ``np.memmap`` buffers), which torch does not count, so swapping an
+activation really lowers the measured device memory. Copies run on one background thread in FIFO
+order (the cost model's copy stream). An optional ``bandwidth_cap`` (bytes/s) makes the copy
+thread sleep so that a copy of N bytes takes at least N / cap seconds, to emulate a PCIe link.
+
+Host buffers come from a pool keyed by size and are reused across steps; :meth:`CpuBackend.close`
+frees them all. Device tensors handed to :meth:`offload` must be contiguous 1-D ``uint8`` CPU
+tensors (the executor passes whole storages as bytes).
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["CpuBackend", "CpuHostHandle", "BackendStats"]
+
+
+class CpuHostHandle:
+    """An activation's bytes in the CPU host tier (or on their way there)."""
+
+    __slots__ = (
+        "nbytes", "buf", "source", "device_tensor", "offload_done", "prefetch_done",
+        "prefetch_issued", "cancelled", "released", "pending", "__weakref__",
+    )
+
+    def __init__(self, nbytes: int, buf: np.ndarray, source: torch.Tensor) -> None:
+        self.nbytes = nbytes
+        self.buf: Optional[np.ndarray] = buf
+        #: the device bytes, kept alive until the offload copy has run (or was cancelled)
+        self.source: Optional[torch.Tensor] = source
+        self.device_tensor: Optional[torch.Tensor] = None
+        self.offload_done = threading.Event()
+        self.prefetch_done = threading.Event()
+        self.prefetch_issued = False
+        self.cancelled = False  #: offload not needed any more (the device bytes were used as they are)
+        self.released = False
+        self.pending = 0  #: queued copies not yet finished
+
+
+@dataclass
+class BackendStats:
+    buffers_in_use: int
+    bytes_in_use: int
+    buffers_pooled: int
+    bytes_pooled: int
+    offloads: int
+    prefetches: int
+    offload_bytes: int
+    prefetch_bytes: int
+    cancelled_offloads: int
+    fetch_wait_s: float  #: time fetch() waited for copies (swap stall)
+
+
+class CpuBackend:
+    """Host tier in numpy (``host="numpy"``) or file-backed mmap (``host="mmap"``) memory."""
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        bandwidth_cap: Optional[float] = None,
+        *,
+        host: str = "numpy",
+        mmap_dir: Optional[str] = None,
+    ) -> None:
+        if host not in ("numpy", "mmap"):
+            raise ValueError(f"host must be 'numpy' or 'mmap', not {host!r}")
+        if bandwidth_cap is not None and bandwidth_cap <= 0:
+            raise ValueError("bandwidth_cap must be positive (bytes per second)")
+        self.bandwidth_cap = bandwidth_cap
+        self.host = host
+        self.mmap_dir = mmap_dir
+        self._lock = threading.Lock()
+        self._pool: Dict[int, List[np.ndarray]] = defaultdict(list)
+        self._live: Dict[int, CpuHostHandle] = {}
+        self._queue: "queue.Queue[Optional[Tuple[str, CpuHostHandle]]]" = queue.Queue()
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._counters = dict(offloads=0, prefetches=0, offload_bytes=0, prefetch_bytes=0, cancelled=0)
+        self._fetch_wait = 0.0
+        self._thread = threading.Thread(target=self._worker, name="tensorplace-copy", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ host buffers
+
+    def _new_buffer(self, nbytes: int) -> np.ndarray:
+        if self.host == "numpy":
+            return np.empty(nbytes, dtype=np.uint8)
+        f = tempfile.TemporaryFile(dir=self.mmap_dir)
+        try:
+            f.truncate(nbytes)
+            return np.memmap(f, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        finally:
+            f.close()  # the mapping keeps the (already unlinked) file alive
+
+    def _take_buffer(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._pool.get(nbytes)
+            if free:
+                return free.pop()
+        return self._new_buffer(nbytes)
+
+    def _give_back(self, h: CpuHostHandle) -> None:
+        # called with self._lock held
+        if h.buf is not None:
+            if not self._closed:
+                self._pool[h.nbytes].append(h.buf)
+            h.buf = None
+        self._live.pop(id(h), None)
+
+    # ------------------------------------------------------------------ the Backend interface
+
+    def offload(self, tensor: torch.Tensor) -> CpuHostHandle:
+        """Queue a copy of ``tensor`` (1-D contiguous uint8 on CPU) to a host buffer."""
+        self._check()
+        if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError("CpuBackend.offload expects a contiguous 1-D uint8 CPU tensor")
+        n = tensor.numel()
+        h = CpuHostHandle(n, self._take_buffer(n), tensor)
+        with self._lock:
+            h.pending += 1
+            self._live[id(h)] = h
+            self._counters["offloads"] += 1
+            self._counters["offload_bytes"] += n
+        self._queue.put(("d2h", h))
+        return h
+
+    def prefetch(self, handle: CpuHostHandle) -> None:
+        """Allocate the device bytes now (torch's allocator counts them) and queue the copy back."""
+        self._check()
+        h = handle
+        if h.released:
+            raise RuntimeError("prefetch of a released host handle")
+        if h.prefetch_issued:
+            return
+        h.prefetch_issued = True
+        h.device_tensor = torch.empty(h.nbytes, dtype=torch.uint8)
+        with self._lock:
+            h.pending += 1
+            self._counters["prefetches"] += 1
+            self._counters["prefetch_bytes"] += h.nbytes
+        self._queue.put(("h2d", h))
+
+    def fetch(self, handle: CpuHostHandle) -> torch.Tensor:
+        """The device bytes: the still-alive source if its offload has not finished (the offload is
+        then cancelled if it has not started), else the prefetched copy, waiting for it if late."""
+        self._check()
+        h = handle
+        if h.released:
+            raise RuntimeError("fetch of a released host handle")
+        src = h.source
+        if src is not None:
+            h.cancelled = True
+            h.device_tensor = None
+            return src
+        if h.cancelled:
+            raise RuntimeError("the offload was cancelled (its device bytes were used): fetch at most once")
+        if not h.prefetch_issued:
+            self.prefetch(h)
+        if not h.prefetch_done.is_set():
+            t0 = time.perf_counter()
+            while not h.prefetch_done.wait(0.1):
+                self._check()
+            self._fetch_wait += time.perf_counter() - t0
+        self._check()
+        out = h.device_tensor
+        if out is None:  # pragma: no cover - defensive
+            raise RuntimeError("host handle has no device copy")
+        h.device_tensor = None
+        return out
+
+    def release(self, handle: CpuHostHandle) -> None:
+        """Return the host buffer to the pool (after any copy still queued for it)."""
+        h = handle
+        with self._lock:
+            if h.released:
+                return
+            h.released = True
+            h.cancelled = True
+            h.device_tensor = None
+            if h.pending == 0:
+                h.source = None
+                self._give_back(h)
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy."""
+        self._queue.join()
+        self._check()
+
+    def bandwidth(self, nbytes: int = 64 << 20) -> Tuple[float, float]:
+        """Measured (device-to-host, host-to-device) bytes/s through the copy thread (cap included)."""
+        src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+        self.synchronize()
+        results = []
+        for _ in range(2):  # the first round warms the pool and the pages
+            t0 = time.perf_counter()
+            h = self.offload(src)
+            h.offload_done.wait()
+            t1 = time.perf_counter()
+            self.prefetch(h)
+            self.fetch(h)
+            t2 = time.perf_counter()
+            self.release(h)
+            results.append((nbytes / max(t1 - t0, 1e-9), nbytes / max(t2 - t1, 1e-9)))
+        return results[-1]
+
+    def close(self) -> None:
+        """Stop the copy thread and free every host buffer (pooled and live)."""
+        if self._closed:
+            return
+        self._queue.put(None)
+        self._thread.join()
+        with self._lock:
+            self._closed = True
+            self._pool.clear()
+            for h in list(self._live.values()):
+                h.buf = None
+                h.source = None
+                h.device_tensor = None
+            self._live.clear()
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            live = [h for h in self._live.values() if h.buf is not None]
+            pooled = [(n, len(v)) for n, v in self._pool.items()]
+            c = dict(self._counters)
+        return BackendStats(
+            buffers_in_use=len(live),
+            bytes_in_use=sum(h.nbytes for h in live),
+            buffers_pooled=sum(k for _, k in pooled),
+            bytes_pooled=sum(n * k for n, k in pooled),
+            offloads=c["offloads"],
+            prefetches=c["prefetches"],
+            offload_bytes=c["offload_bytes"],
+            prefetch_bytes=c["prefetch_bytes"],
+            cancelled_offloads=c["cancelled"],
+            fetch_wait_s=self._fetch_wait,
+        )
+
+    def live_handles(self) -> List[CpuHostHandle]:
+        """Handles whose host buffer is in use (for tests and debugging)."""
+        with self._lock:
+            return [h for h in self._live.values() if h.buf is not None]
+
+    # ------------------------------------------------------------------ the copy thread
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("CpuBackend is closed")
+        if self._error is not None:
+            raise RuntimeError("the copy thread failed") from self._error
+
+    def _throttle(self, nbytes: int, started: float) -> None:
+        if self.bandwidth_cap:
+            left = nbytes / self.bandwidth_cap - (time.perf_counter() - started)
+            if left > 0:
+                time.sleep(left)
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            op, h = item
+            dt = None
+            try:
+                if op == "d2h":
+                    if not h.cancelled and h.buf is not None and h.source is not None:
+                        t0 = time.perf_counter()
+                        np.copyto(h.buf, h.source.numpy())
+                        self._throttle(h.nbytes, t0)
+                    elif h.cancelled:
+                        with self._lock:
+                            self._counters["cancelled"] += 1
+                    h.source = None
+                    h.offload_done.set()
+                else:  # h2d
+                    dt = h.device_tensor
+                    if not h.released and not h.cancelled and h.buf is not None and dt is not None:
+                        t0 = time.perf_counter()
+                        np.copyto(dt.numpy(), h.buf)
+                        self._throttle(h.nbytes, t0)
+                    h.prefetch_done.set()
+            except BaseException as e:  # pragma: no cover - surfaced by _check()
+                self._error = e
+                h.offload_done.set()
+                h.prefetch_done.set()
+            finally:
+                with self._lock:
+                    h.pending -= 1
+                    if h.released and h.pending == 0:
+                        h.source = None
+                        self._give_back(h)
+                # drop this thread's references before blocking on the queue again
+                item = h = dt = None  # type: ignore[assignment]
+                self._queue.task_done()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

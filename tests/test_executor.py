@@ -1,0 +1,564 @@
+"""The plan executor on CPU: bitwise-equal training under hand-written plans, real memory savings
+measured with torch's own accounting, verify mode, robustness, and the CPU backend."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cuda_exec"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import models  # noqa: E402
+from cuda_exec.cpu_backend import CpuBackend  # noqa: E402
+from cuda_exec.executor import (  # noqa: E402
+    PlanMismatchError,
+    PlannedModule,
+    StepAbortedError,
+    read_plan,
+)
+from cuda_exec.memory import measure_peak  # noqa: E402
+from cuda_exec.units import UnitRecord, UnitTracker, is_replaying  # noqa: E402
+from cuda_exec.verify import VerificationError  # noqa: E402
+
+torchvision = pytest.importorskip("torchvision")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def resnet18() -> nn.Module:
+    return torchvision.models.resnet18(num_classes=10)
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[], Tuple[torch.Tensor, torch.Tensor]]]] = {
+    "resnet18": (resnet18, lambda: (torch.randn(2, 3, 64, 64), torch.tensor([1, 7]))),
+    "inception": (models.TinyInception, lambda: (torch.randn(2, 3, 16, 16), torch.tensor([3, 4]))),
+    "gpt": (models.TinyGPT, lambda: (torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2 * 16,)))),
+    "tricky": (models.Tricky, lambda: (torch.randn(4, 16), torch.tensor([0, 1, 2, 3]))),
+}
+
+
+def make(name: str) -> Tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    build, batch = MODELS[name]
+    model = build()
+    x, y = batch()
+    return model, x, y
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
+
+
+def records(model: nn.Module, x: torch.Tensor) -> List[UnitRecord]:
+    model = copy.deepcopy(model)
+    with UnitTracker(model) as tr:
+        model(x)
+    return tr.records
+
+
+def schedule(recs: Sequence[UnitRecord], actions: Sequence[str], ahead: int = 1) -> List[Dict[str, int]]:
+    """Issue each swapped unit's prefetch ``ahead`` stages before its first backward reader."""
+    n = len(recs)
+    out = []
+    for r, a in zip(recs, actions):
+        if a == "swap" and r.read_by:
+            out.append({"unit": r.index, "issue_at_backward_of": min(n - 1, max(r.read_by) + ahead)})
+    return out
+
+
+def pattern(n: int, spans: Sequence[Tuple[int, int, str]], default: str = "retain") -> List[str]:
+    """Actions per unit index: ``spans`` of (first, last inclusive, action)."""
+    acts = [default] * n
+    for a, b, act in spans:
+        for i in range(a, min(b, n - 1) + 1):
+            acts[i] = act
+    return acts
+
+
+def cycle(n: int, order: Sequence[str]) -> List[str]:
+    return [order[i % len(order)] for i in range(n)]
+
+
+def capture_dropout(model: nn.Module) -> Tuple[List[torch.Tensor], List]:
+    outs: List[torch.Tensor] = []
+    def hook(m: nn.Module, i: object, o: torch.Tensor) -> None:
+        if not is_replaying():  # a recomputed unit's module (and its hooks) runs again in backward
+            outs.append(o.detach().clone())
+
+    hs = [m.register_forward_hook(hook)
+          for m in model.modules() if isinstance(m, nn.Dropout)]
+    return outs, hs
+
+
+def assert_same_training(
+    name: str,
+    actions: Callable[[int, List[UnitRecord]], List[str]],
+    *,
+    steps: int = 3,
+    backend: Optional[CpuBackend] = None,
+    prefetch_ahead: Optional[int] = 1,
+    verify: bool = False,
+) -> PlannedModule:
+    """Train an unplanned copy and a planned copy side by side; everything must be bitwise equal."""
+    model, x, y = make(name)
+    recs = records(model, x)
+    acts = actions(len(recs), recs)
+    plan = {
+        "format": "tensorplace.plan", "version": 1,
+        "units": [r.name for r in recs], "actions": acts,
+        "prefetch": schedule(recs, acts, prefetch_ahead) if prefetch_ahead is not None else [],
+    }
+    ref = copy.deepcopy(model)
+    planned = PlannedModule(copy.deepcopy(model), plan, backend=backend or CpuBackend(), verify=verify)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_pl = torch.optim.SGD(planned.parameters(), lr=0.05, momentum=0.9)
+    drop_ref, h1 = capture_dropout(ref)
+    drop_pl, h2 = capture_dropout(planned.model)
+    try:
+        for step in range(steps):
+            torch.manual_seed(1000 + step)
+            out_ref = ref(x)
+            loss_ref = loss_fn(out_ref, y)
+            loss_ref.backward()
+            rng_ref = torch.get_rng_state()
+
+            torch.manual_seed(1000 + step)
+            out_pl = planned(x)
+            loss_pl = loss_fn(out_pl, y)
+            loss_pl.backward()
+            rng_pl = torch.get_rng_state()
+
+            assert torch.equal(out_ref, out_pl), f"step {step}: outputs differ"
+            assert torch.equal(loss_ref, loss_pl), f"step {step}: {loss_ref.item()} != {loss_pl.item()}"
+            assert torch.equal(rng_ref, rng_pl), f"step {step}: the executor changed the RNG stream"
+            for (n1, p1), (_, p2) in zip(ref.named_parameters(), planned.model.named_parameters()):
+                assert torch.equal(p1.grad, p2.grad), f"step {step}: gradient of {n1} differs"
+            assert len(drop_ref) == len(drop_pl)
+            for a, b in zip(drop_ref, drop_pl):
+                assert torch.equal(a, b), f"step {step}: a dropout output differs"
+            drop_ref.clear()
+            drop_pl.clear()
+            opt_ref.step()
+            opt_pl.step()
+            opt_ref.zero_grad()
+            opt_pl.zero_grad()
+        for (n1, p1), (_, p2) in zip(ref.named_parameters(), planned.model.named_parameters()):
+            assert torch.equal(p1, p2), f"parameter {n1} differs"
+        for (n1, b1), (_, b2) in zip(ref.named_buffers(), planned.model.named_buffers()):
+            assert torch.equal(b1, b2), f"buffer {n1} differs"
+    finally:
+        for h in h1 + h2:
+            h.remove()
+    stats = planned.last_stats
+    assert stats is not None and not stats.aborted
+    if any(a == "swap" and r.act_bytes for a, r in zip(acts, recs)):
+        assert stats.swap_storages > 0
+    if any(a == "recompute" and r.act_bytes for a, r in zip(acts, recs)):
+        assert stats.replays > 0
+    gc.collect()
+    planned.backend.synchronize()  # a released buffer returns to the pool once its queued copy ran
+    assert planned.backend.stats().buffers_in_use == 0, "host buffers still held after the steps"
+    return planned
+
+
+# ----------------------------------------------------------------------------- bitwise training
+
+
+PLANS: Dict[str, Callable[[int, List[UnitRecord]], List[str]]] = {
+    "swap": lambda n, r: ["swap"] * n,
+    "recompute": lambda n, r: ["recompute"] * n,
+    "cycle": lambda n, r: cycle(n, ["swap", "recompute", "retain", "recompute", "swap"]),
+    # recompute chains of consecutive units between swapped and retained stretches
+    "chains": lambda n, r: pattern(
+        n, [(0, 5, "recompute"), (6, n // 3, "swap"), (n // 3 + 1, n // 3 + 7, "recompute"),
+            (n // 2, 2 * n // 3, "recompute"), (2 * n // 3 + 1, n - 3, "swap")]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ["resnet18", "inception", "gpt"])
+@pytest.mark.parametrize("plan", ["chains", "cycle"])
+def test_bitwise_equal_training(name: str, plan: str) -> None:
+    assert_same_training(name, PLANS[plan])
+
+
+@pytest.mark.parametrize("name", ["inception", "gpt"])
+@pytest.mark.parametrize("plan", ["swap", "recompute"])
+def test_bitwise_equal_all_one_action(name: str, plan: str) -> None:
+    assert_same_training(name, PLANS[plan], steps=2, verify=True)
+
+
+@pytest.mark.parametrize(
+    "actions",
+    [
+        # a, b, shared, shared#1, bn, sig, act (in place), head
+        ["recompute"] * 8,
+        ["swap"] * 8,
+        ["retain", "recompute", "recompute", "recompute", "swap", "recompute", "recompute", "retain"],
+        ["swap", "recompute", "swap", "recompute", "recompute", "recompute", "retain", "swap"],
+        ["recompute", "swap", "recompute", "retain", "recompute", "retain", "swap", "recompute"],
+    ],
+)
+def test_bitwise_equal_tricky_glue(actions: List[str]) -> None:
+    """In-place glue on earlier outputs, __setitem__, functional dropout, a module called twice,
+    saved views, a buffer written by glue: every combination of actions trains identically."""
+    assert_same_training("tricky", lambda n, r: list(actions), steps=2, verify=True)
+
+
+def test_resnet18_all_recompute_verified() -> None:
+    assert_same_training("resnet18", PLANS["recompute"], steps=2, verify=True)
+
+
+def test_swap_with_bandwidth_cap_and_prefetch_schedule() -> None:
+    backend = CpuBackend(bandwidth_cap=300e6)
+    planned = assert_same_training("resnet18", PLANS["chains"], backend=backend, prefetch_ahead=2)
+    stats = planned.last_stats
+    assert stats.prefetches > 0
+    # every swapped storage was prefetched by the schedule, none fetched on demand
+    assert stats.unscheduled_fetches == 0
+    # the schedule's hooks fire in backward stage order (units numbered in forward order)
+    assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
+    backend.close()
+
+
+def test_prefetch_fires_in_stage_order_on_a_dag() -> None:
+    planned = assert_same_training("inception", lambda n, r: ["swap"] * n, steps=1, prefetch_ahead=0)
+    stats = planned.last_stats
+    assert stats.unscheduled_fetches == 0
+    assert len(stats.prefetch_stages) > 10
+    assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
+
+
+def test_slow_copies_use_the_still_alive_device_tensor() -> None:
+    # 2 MB/s: offloads are still queued when the backward needs them
+    backend = CpuBackend(bandwidth_cap=2e6)
+    assert_same_training("gpt", lambda n, r: ["swap"] * n, steps=1, backend=backend, prefetch_ahead=None)
+    assert backend.stats().cancelled_offloads > 0
+    backend.close()
+
+
+def test_coarse_units_and_many_steps_with_adam() -> None:
+    model, x, y = make("gpt")
+    units = [models.Block]
+    m2 = copy.deepcopy(model)
+    with UnitTracker(m2, units) as tr:
+        m2(x)
+    names = [r.name for r in tr.records]
+    assert "blocks.0" in names and "blocks.1" in names and not any(n.startswith("blocks.0.") for n in names)
+    acts = ["recompute" if n.startswith("blocks") else "swap" for n in names]
+    ref = copy.deepcopy(model)
+    planned = PlannedModule(copy.deepcopy(model), {"units": names, "actions": acts}, units=units)
+    o1 = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    o2 = torch.optim.Adam(planned.parameters(), lr=1e-3)
+    for step in range(5):
+        for model_, opt in ((ref, o1), (planned, o2)):
+            torch.manual_seed(step)
+            loss_fn(model_(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for p1, p2 in zip(ref.parameters(), planned.parameters()):
+        assert torch.equal(p1, p2)
+    assert planned.last_stats.replays == 2
+
+
+def test_eval_and_no_grad_run_the_model_directly() -> None:
+    model, x, _ = make("resnet18")
+    planned = PlannedModule(model, ["recompute"] * len(records(model, x)))
+    planned.eval()
+    before = [b.clone() for b in model.buffers()]
+    with torch.no_grad():
+        out1 = planned(x)
+    out2 = model(x)
+    assert torch.equal(out1, out2)
+    planned.train()
+    with torch.no_grad():
+        planned(x)  # no_grad in train mode: plain run, BatchNorm statistics update once
+    assert planned.last_stats is None
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _step_peak(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    def step() -> None:
+        loss_fn(module(x), y).backward()  # gradients exist already: accumulated in place
+
+    gc.collect()
+    _, trace = measure_peak(step)
+    return trace.peak_bytes
+
+
+def test_measured_peak_is_lower_under_swap_and_recompute() -> None:
+    torch.manual_seed(0)
+    model = resnet18()
+    x, y = torch.randn(4, 3, 96, 96), torch.tensor([0, 1, 2, 3])
+    recs = records(model, x)
+    n = len(recs)
+    loss_fn(model(x), y).backward()  # allocate the gradients before measuring
+    base = _step_peak(model, x, y)
+    assert base > 10 << 20
+    act_total = sum(r.act_bytes for r in recs)
+    results = {}
+    for plan in ("swap", "recompute", "mixed"):
+        acts = {"swap": ["swap"] * n, "recompute": ["recompute"] * n,
+                "mixed": cycle(n, ["swap", "recompute"])}[plan]
+        planned = PlannedModule(model, {"actions": acts, "prefetch": schedule(recs, acts, 1)}, backend=CpuBackend())
+        _step_peak(planned, x, y)  # warm the host pool
+        results[plan] = _step_peak(planned, x, y)
+        planned.close()
+    for plan, peak in results.items():
+        assert peak < base - act_total // 3, (plan, peak, base, act_total)
+
+
+def test_measure_peak_counts_allocations() -> None:
+    def f() -> None:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(2 << 20, dtype=torch.uint8)
+        del a, b
+
+    _, trace = measure_peak(f)
+    assert trace.peak_bytes >= 3 << 20
+    assert trace.final_bytes == 0
+
+
+# ----------------------------------------------------------------------------- verify mode
+
+
+def test_verify_catches_a_corrupted_host_buffer() -> None:
+    model, x, y = make("resnet18")
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap"] * n, backend=backend, verify=True)
+    loss = loss_fn(planned(x), y)
+    backend.synchronize()
+    live = backend.live_handles()
+    assert live
+    for h in live:
+        h.buf[:] ^= 0xFF
+    with pytest.raises(VerificationError):
+        loss.backward()
+    del loss
+    gc.collect()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    _assert_no_hooks(model)
+    # the next step works
+    model.zero_grad()
+    loss_fn(planned(x), y).backward()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+
+
+def test_verify_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENSORPLACE_VERIFY", "1")
+    model, x, _ = make("inception")
+    planned = PlannedModule(model, ["swap"] * len(records(model, x)))
+    assert planned.executor.verify
+
+
+# ----------------------------------------------------------------------------- robustness
+
+
+def _assert_no_hooks(model: nn.Module) -> None:
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, m
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch._C._len_torch_function_stack() == 0
+
+
+class Boom(nn.Module):
+    def __init__(self, exc: Optional[BaseException] = None) -> None:
+        super().__init__()
+        self.exc = exc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exc is not None:
+            raise self.exc
+        return x
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_exception_mid_forward_leaves_nothing_behind(exc: BaseException) -> None:
+    torch.manual_seed(0)
+    body = resnet18()
+    boom = Boom()
+    model = nn.Sequential(body.conv1, body.bn1, body.relu, body.layer1, boom, body.layer2,
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, cycle(n, ["swap", "recompute", "retain"]), backend=backend)
+    boom.exc = exc
+    with pytest.raises(type(exc)):
+        planned(x)
+    gc.collect()
+    _assert_no_hooks(model)
+    assert planned.last_stats.aborted
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    boom.exc = None
+    ref = copy.deepcopy(model)
+    torch.manual_seed(5)
+    loss_fn(ref(x), y).backward()
+    torch.manual_seed(5)
+    loss_fn(planned(x), y).backward()
+    for p1, p2 in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p1.grad, p2.grad)
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+
+
+def test_interrupt_during_backward_frees_everything() -> None:
+    model, x, y = make("resnet18")
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, cycle(n, ["swap", "recompute"]), backend=backend)
+    out = planned(x)
+
+    def interrupt(grad: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    h = model.layer2[0].conv1.weight.register_hook(interrupt)
+    loss = loss_fn(out, y)
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    h.remove()
+    del loss, out
+    gc.collect()
+    _assert_no_hooks(model)
+    # PyTorch keeps the unfinished part of the graph alive after an error in backward; the
+    # executor knows the backward never finished and frees its host buffers
+    assert planned.abort_interrupted() == 1
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    model.zero_grad()
+    loss_fn(planned(x), y).backward()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+
+
+def test_next_forward_frees_a_step_interrupted_in_backward() -> None:
+    model, x, y = make("inception")
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap"] * n, backend=backend)
+    out = planned(x)
+    out.register_hook(lambda g: None)
+    h = model.block1.b1.conv.weight.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("user hook")))
+    with pytest.raises(RuntimeError, match="user hook"):
+        loss_fn(out, y).backward()
+    h.remove()
+    assert backend.stats().buffers_in_use > 0
+    model.zero_grad()
+    loss_fn(planned(x), y).backward()  # this forward aborts the interrupted step first
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+
+
+def test_plan_mismatch_is_detected() -> None:
+    model, x, _ = make("inception")
+    recs = records(model, x)
+    names = [r.name for r in recs]
+    with pytest.raises(PlanMismatchError):
+        PlannedModule(model, ["retain"] * (len(names) + 1))(x)
+    with pytest.raises(PlanMismatchError):
+        PlannedModule(model, ["retain"] * (len(names) - 1))(x)
+    wrong = list(names)
+    wrong[3] = "somewhere.else"
+    with pytest.raises(PlanMismatchError):
+        PlannedModule(model, {"units": wrong, "actions": ["retain"] * len(names)})(x)
+    _assert_no_hooks(model)
+
+
+def test_read_plan_formats(tmp_path) -> None:
+    plan = {"format": "tensorplace.plan", "version": 1, "units": ["a", "b"], "actions": ["swap", "recompute"],
+            "prefetch": [{"unit": 0, "issue_at_backward_of": 1}]}
+    assert read_plan(plan) == (["swap", "recompute"], [(0, 1)], ["a", "b"])
+    path = tmp_path / "p.json"
+    import json
+
+    path.write_text(json.dumps(plan))
+    assert read_plan(str(path))[0] == ["swap", "recompute"]
+    with pytest.raises(ValueError):
+        read_plan({"format": "tensorplace.plan", "version": 2, "actions": []})
+    with pytest.raises(ValueError):
+        read_plan(["keep"])
+
+
+def test_aborted_step_refuses_its_graph() -> None:
+    model, x, y = make("inception")
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap"] * n, backend=backend, verify=True)
+    loss = loss_fn(planned(x), y)
+    backend.synchronize()
+    for h in backend.live_handles():
+        h.buf[:] ^= 0x0F
+    with pytest.raises(VerificationError):
+        loss.backward(retain_graph=True)
+    with pytest.raises(StepAbortedError):
+        loss.backward()
+
+
+# ----------------------------------------------------------------------------- CPU backend
+
+
+def test_cpu_backend_roundtrip_pool_and_close() -> None:
+    be = CpuBackend()
+    src = torch.arange(1000, dtype=torch.uint8)
+    h = be.offload(src)
+    be.synchronize()
+    assert h.source is None  # the device bytes were let go after the copy
+    be.prefetch(h)
+    out = be.fetch(h)
+    assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+    buf = h.buf
+    be.release(h)
+    st = be.stats()
+    assert st.buffers_in_use == 0 and st.buffers_pooled == 1
+    h2 = be.offload(src.clone())
+    assert h2.buf is buf  # pooled buffer reused
+    be.release(h2)
+    be.synchronize()
+    be.close()
+    assert be.stats().buffers_pooled == 0
+    with pytest.raises(RuntimeError):
+        be.offload(src)
+
+
+def test_cpu_backend_mmap_host() -> None:
+    be = CpuBackend(host="mmap")
+    src = torch.randint(0, 255, (4096,), dtype=torch.uint8)
+    h = be.offload(src)
+    be.synchronize()
+    assert torch.equal(be.fetch(h), src)
+    be.release(h)
+    be.close()
+
+
+def test_cpu_backend_bandwidth_cap() -> None:
+    cap = 50e6
+    be = CpuBackend(bandwidth_cap=cap)
+    src = torch.zeros(2_000_000, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    h = be.offload(src)
+    be.synchronize()
+    assert time.perf_counter() - t0 >= 2_000_000 / cap * 0.95
+    be.release(h)
+    d2h, h2d = be.bandwidth(1_000_000)
+    assert d2h <= cap * 1.1 and h2d <= cap * 1.1
+    be.close()
+    d2h, h2d = CpuBackend().bandwidth(8 << 20)
+    assert d2h > cap and h2d > cap
