@@ -90,6 +90,9 @@ class CpuBackend:
         self._error: Optional[BaseException] = None
         self._counters = dict(offloads=0, prefetches=0, offload_bytes=0, prefetch_bytes=0, cancelled=0)
         self._fetch_wait = 0.0
+        #: offloads whose copy has run; their sources are dropped by poll() on the caller's thread,
+        #: so that the device bytes are freed where torch's profiler sees it, at a stage boundary
+        self._done: List[CpuHostHandle] = []
         self._thread = threading.Thread(target=self._worker, name="tensorplace-copy", daemon=True)
         self._thread.start()
 
@@ -125,6 +128,7 @@ class CpuBackend:
     def offload(self, tensor: torch.Tensor) -> CpuHostHandle:
         """Queue a copy of ``tensor`` (1-D contiguous uint8 on CPU) to a host buffer."""
         self._check()
+        self.poll()
         if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError("CpuBackend.offload expects a contiguous 1-D uint8 CPU tensor")
         n = tensor.numel()
@@ -137,9 +141,30 @@ class CpuBackend:
         self._queue.put(("d2h", h))
         return h
 
+    def poll(self) -> int:
+        """Free the device bytes of every offload whose copy has completed (never blocks); call it
+        at stage boundaries. Returns how many were freed."""
+        with self._lock:
+            done, self._done = self._done, []
+        for h in done:
+            h.source = None
+        return len(done)
+
+    def wait_offload(self, handle: CpuHostHandle) -> None:
+        """Block until `handle`'s offload has completed (and those queued before it), then free
+        their device bytes."""
+        h = handle
+        if h.source is not None and not h.cancelled:
+            t0 = time.perf_counter()
+            while not h.offload_done.wait(0.1):
+                self._check()
+            self._fetch_wait += time.perf_counter() - t0
+        self.poll()
+
     def prefetch(self, handle: CpuHostHandle) -> None:
         """Allocate the device bytes now (torch's allocator counts them) and queue the copy back."""
         self._check()
+        self.poll()
         h = handle
         if h.released:
             raise RuntimeError("prefetch of a released host handle")
@@ -287,7 +312,8 @@ class CpuBackend:
                     elif h.cancelled:
                         with self._lock:
                             self._counters["cancelled"] += 1
-                    h.source = None
+                    with self._lock:
+                        self._done.append(h)
                     h.offload_done.set()
                 else:  # h2d
                     dt = h.device_tensor

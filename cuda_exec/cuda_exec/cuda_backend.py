@@ -355,6 +355,8 @@ class CudaBackend(Backend):
         self._slots: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
         # FIFO of (completion event, tensor kept alive) in copy-stream order
         self._pending: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
+        #: id(slot) -> completion event of its offload, while that offload is pending
+        self._offload_events: Dict[int, Any] = {}
         with self._torch.device_guard():
             self._stream = self._cuda("cudaStreamCreateWithFlags", self._cuda.rt.cudaStreamNonBlocking)
         self.pool = PinnedPool(self._cuda)
@@ -407,6 +409,7 @@ class CudaBackend(Backend):
                 self.pool.give_back(ptr)
                 raise
             self._pending.append((done, src))  # src (a view of the caller's storage) stays alive
+            self._offload_events[id(slot)] = done
             self.stats["offloads"] += 1
             self.stats["d2h_bytes"] += nbytes
             return self._new_handle(nbytes, src, slot)
@@ -457,6 +460,16 @@ class CudaBackend(Backend):
         with self._lock:
             self._service()
             return len(self._pending)
+
+    def wait_offload(self, handle: CudaHostHandle) -> None:
+        """Block the host until `handle`'s offload (and every copy queued before it) has completed,
+        then drop the sources: the cost model's wait for a swap-out before a stage."""
+        with self._lock:
+            self._check_open()
+            ev = self._offload_events.get(id(handle._slot)) if handle._slot is not None else None
+            if ev is not None:
+                self._cuda("cudaEventSynchronize", ev)
+            self._service()
 
     def synchronize(self) -> None:
         """Wait (on the host) for every copy queued on the copy stream; the compute stream and
@@ -527,6 +540,7 @@ class CudaBackend(Backend):
             except CudaError as exc:
                 errors.append(exc)
             self._pending.clear()
+            self._offload_events.clear()
             self._dead.clear()
             for slot in list(self._slots):
                 slot.ptr = None
@@ -640,4 +654,6 @@ class CudaBackend(Backend):
                 break  # FIFO: later copies are not done either
             self._cuda.check("cudaEventQuery", (err,))
             self._pending.popleft()
+            for k in [k for k, e in self._offload_events.items() if e is ev]:
+                del self._offload_events[k]
             self._events.give_back(ev)

@@ -72,6 +72,7 @@ __all__ = [
     "ReplayError",
     "StepStats",
     "read_plan",
+    "read_swap_deadlines",
     "Executor",
     "PlannedModule",
     "execute",
@@ -107,6 +108,7 @@ class StepStats:
     replays: int = 0  #: unit replays
     replay_s: float = 0.0  #: time spent replaying
     fetch_s: float = 0.0  #: time spent in fetches (waiting for late copies included)
+    deadline_wait_s: float = 0.0  #: time spent waiting for swap-outs the plan says are done
     prefetches: int = 0  #: prefetches issued by the schedule
     prefetch_stages: List[int] = field(default_factory=list)  #: backward stages that issued, in order
     unscheduled_fetches: int = 0  #: swapped storages fetched without a scheduled prefetch
@@ -163,6 +165,18 @@ def read_plan(plan: PlanLike) -> Tuple[List[str], List[Tuple[int, int]], Optiona
         if len(names) != len(acts):
             raise ValueError(f"plan has {len(names)} unit names but {len(acts)} actions")
     return acts, pf, names
+
+
+def read_swap_deadlines(plan: PlanLike) -> List[Tuple[str, int]]:
+    """``[(stage_label, unit)]``: the swap-outs a plan says have completed before each stage."""
+    if isinstance(plan, (str, os.PathLike)) and str(plan).endswith(".json"):
+        with open(plan) as f:
+            plan = json.load(f)
+    if hasattr(plan, "to_dict") and not isinstance(plan, Mapping):
+        plan = plan.to_dict()
+    if not isinstance(plan, Mapping):
+        return []
+    return [(str(d["before"]), int(d["unit"])) for d in plan.get("swap_deadlines", []) or []]
 
 
 def default_backend(device: torch.device) -> Any:
@@ -588,6 +602,7 @@ class _StepState:
         self.plan_names = ex.names
         self.verify = ex.verify
         self.prefetch_at = ex.prefetch_at
+        self.swap_deadlines = ex.swap_deadlines
         self.stats = StepStats()
         self.entries: Dict[ValueRec, _Entry] = {}
         self.by_unit: Dict[int, List[_Entry]] = defaultdict(list)
@@ -654,11 +669,32 @@ class _StepState:
 
         return run
 
+    def stage_boundary(self, label: str) -> None:
+        """At the start of a stage: free the device bytes of completed swap-outs, and wait for
+        the swap-outs the plan says have left the device before this stage (the cost model's
+        swap deadlines), so the executor's memory follows the model's."""
+        poll = getattr(self.backend, "poll", None)
+        if poll is not None:
+            poll()
+        units = self.swap_deadlines.get(label)
+        if not units:
+            return
+        wait = getattr(self.backend, "wait_offload", None)
+        if wait is None:
+            return
+        t0 = time.perf_counter()
+        for u in units:
+            for e in self.by_unit.get(u, ()):
+                if e.host is not None and e.fetched is None and not e.prefetched:
+                    wait(e.host)
+        self.stats.deadline_wait_s += time.perf_counter() - t0
+
     def issue_prefetches(self, stage: int) -> None:
         self.enter_backward()
         if stage in self.fired or self.dead:
             return
         self.fired.add(stage)
+        self.stage_boundary(f"bwd:{stage}")
         self.stats.prefetch_stages.append(stage)
         for u in self.prefetch_at.get(stage, ()):
             for e in self.by_unit.get(u, ()):
@@ -688,6 +724,7 @@ class _PlanTracker(UnitTracker):
                 "(data-dependent control flow or a different model)"
             )
         st.stats.units = index + 1
+        st.stage_boundary(f"fwd:{index}")
         if st.action(index) == "recompute":
             rt = self._runtime_for(self.segments[index])
             assert rt is not None
@@ -840,8 +877,14 @@ class Executor:
         verify: Optional[bool] = None,
         units: Optional[Iterable[UnitSpec]] = None,
         names: Optional[Sequence[str]] = None,
+        swap_deadlines: Iterable[Tuple[str, int]] = (),
     ) -> None:
         self.model = model
+        #: stage label ("fwd:i" / "bwd:i") -> units whose swap-out must be complete before it
+        self.swap_deadlines: Dict[str, List[int]] = defaultdict(list)
+        for stage_label, unit in swap_deadlines:
+            self.swap_deadlines[str(stage_label)].append(int(unit))
+        self.swap_deadlines = dict(self.swap_deadlines)
         self.actions = [_action_name(a) for a in actions]
         self.names = list(names) if names is not None else None
         self.prefetch_at: Dict[int, List[int]] = defaultdict(list)
@@ -933,7 +976,10 @@ class PlannedModule(nn.Module):
         super().__init__()
         self.model = model
         actions, prefetch, names = read_plan(plan)
-        self.executor = Executor(model, actions, prefetch, backend, verify=verify, units=units, names=names)
+        self.executor = Executor(
+            model, actions, prefetch, backend, verify=verify, units=units, names=names,
+            swap_deadlines=read_swap_deadlines(plan),
+        )
 
     @property
     def backend(self) -> Any:

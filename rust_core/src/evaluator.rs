@@ -91,6 +91,9 @@ pub struct Outcome {
     pub curve: Vec<CurvePoint>,
     /// (unit, backward stage at whose start its prefetch is issued), in issue order.
     pub prefetch: Vec<(usize, usize)>,
+    /// (stage, unit): the swap-out of `unit` has completed and its bytes left the device before
+    /// `stage` starts (or before it allocates, when the stage waited for it), in FIFO order.
+    pub swap_deadlines: Vec<(Stage, usize)>,
 }
 
 impl Outcome {
@@ -153,6 +156,7 @@ struct Sim<'a> {
     stage_peak: u64,
     curve: Vec<CurvePoint>,
     prefetch: Vec<(usize, usize)>,
+    deadlines: Vec<(Stage, usize)>,
 }
 
 impl<'a> Sim<'a> {
@@ -170,6 +174,9 @@ impl<'a> Sim<'a> {
 
     fn release(&mut self, u: usize) {
         if self.s.in_queue[u] {
+            if self.record {
+                self.deadlines.push((self.stage, u));
+            }
             self.s.in_queue[u] = false;
             self.s.resident[u] = false;
             self.mem -= self.g.act[u];
@@ -357,6 +364,7 @@ pub fn evaluate(
         stage_peak: g.constant,
         curve: Vec::new(),
         prefetch: Vec::new(),
+        deadlines: Vec::new(),
     };
     if g.constant > budget {
         sim.excess = g.constant - budget;
@@ -463,6 +471,7 @@ pub fn evaluate(
         reason: if feasible { None } else { sim.reason },
         curve: sim.curve,
         prefetch: sim.prefetch,
+        swap_deadlines: sim.deadlines,
     }
 }
 

@@ -17,6 +17,13 @@ pub struct Prefetch {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwapDeadline {
+    pub unit: usize,
+    /// Stage label, "fwd:i" or "bwd:i".
+    pub before: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Predicted {
     pub step_time: f64,
     pub compute_time: f64,
@@ -60,6 +67,8 @@ pub struct Plan {
     pub actions: Vec<Action>,
     #[serde(default)]
     pub prefetch: Vec<Prefetch>,
+    #[serde(default)]
+    pub swap_deadlines: Vec<SwapDeadline>,
     pub predicted: Predicted,
     #[serde(default)]
     pub model_fingerprint: Option<String>,
@@ -89,6 +98,11 @@ impl Plan {
                 .prefetch
                 .iter()
                 .map(|&(unit, at)| Prefetch { unit, issue_at_backward_of: at })
+                .collect(),
+            swap_deadlines: outcome
+                .swap_deadlines
+                .iter()
+                .map(|&(stage, unit)| SwapDeadline { unit, before: stage.label() })
                 .collect(),
             predicted: Predicted::from_outcome(outcome),
             model_fingerprint: None,

@@ -54,12 +54,15 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         .collect();
     let prefetch: Vec<serde_json::Value> =
         o.prefetch.iter().map(|&(u, s)| json!({"unit": u, "issue_at_backward_of": s})).collect();
+    let deadlines: Vec<serde_json::Value> =
+        o.swap_deadlines.iter().map(|&(s, u)| json!({"unit": u, "before": s.label()})).collect();
     json!({
         "step_time": o.step_time, "compute_time": o.compute_time, "swap_stall": o.swap_stall,
         "recompute": o.recompute, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
         "cancelled_swaps": o.cancelled_swaps,
         "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "feasible": o.feasible,
         "excess": o.excess, "reason": o.reason, "curve": curve, "prefetch": prefetch,
+        "swap_deadlines": deadlines,
     })
 }
 
