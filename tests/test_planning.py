@@ -90,7 +90,9 @@ def test_a_budget_below_the_lower_bound_names_it(plain20):
     lb = tp.lower_bound(plain20)
     with pytest.raises(tp.BudgetError) as e:
         tp.plan_profile(plain20, lb - 1)
-    assert str(lb) in str(e.value) and e.value.args[1] == lb
+    smallest = e.value.args[1]
+    assert str(lb) in str(e.value) and smallest >= lb and str(smallest) in str(e.value)
+    assert tp.plan_profile(plain20, smallest, particles=20, iterations=5).predicted["feasible"]
 
 
 def test_an_unreachable_budget_names_a_budget_that_works(plain20):

@@ -11,7 +11,7 @@ pub enum CoreError {
     /// A plan does not fit the profile it is applied to.
     InvalidPlan(String),
     /// The budget is below what any plan can reach.
-    BudgetBelowLowerBound { budget: u64, lower_bound: u64 },
+    BudgetBelowLowerBound { budget: u64, lower_bound: u64, smallest_known: u64 },
     /// The search found no plan within the budget.
     NoFeasiblePlan { budget: u64, smallest_known: u64, lower_bound: u64 },
     /// A search setting is out of range.
@@ -28,12 +28,14 @@ impl fmt::Display for CoreError {
             CoreError::Format(m) => write!(f, "cannot read file: {m}"),
             CoreError::InvalidProfile(m) => write!(f, "invalid profile: {m}"),
             CoreError::InvalidPlan(m) => write!(f, "invalid plan: {m}"),
-            CoreError::BudgetBelowLowerBound { budget, lower_bound } => write!(
+            CoreError::BudgetBelowLowerBound { budget, lower_bound, smallest_known } => write!(
                 f,
                 "budget {budget} bytes ({}) is below the lower bound of any plan for this profile, \
-                 {lower_bound} bytes ({}): give a budget of at least {lower_bound} bytes, or a smaller batch",
+                 {lower_bound} bytes ({}); the smallest budget a known plan meets is {smallest_known} bytes ({}): \
+                 give at least that, or use a smaller batch",
                 mib(*budget),
-                mib(*lower_bound)
+                mib(*lower_bound),
+                mib(*smallest_known)
             ),
             CoreError::NoFeasiblePlan { budget, smallest_known, lower_bound } => write!(
                 f,

@@ -35,7 +35,8 @@ pub fn make_plan(
     let g = profile.graph()?;
     let (lb, _) = lower_bound(&g);
     if budget < lb {
-        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb });
+        let (smallest, _) = smallest_known_budget(&g, &settings.eval);
+        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
     }
     let eval_json = json!({"prefetch_lookahead": settings.eval.prefetch_lookahead});
     let (actions, method_settings, convergence) = match method {

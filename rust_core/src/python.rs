@@ -18,7 +18,7 @@ create_exception!(_core, BudgetError, PlannerError, "The budget cannot be met; a
 
 fn to_py(e: CoreError) -> PyErr {
     match e {
-        CoreError::BudgetBelowLowerBound { lower_bound, .. } => BudgetError::new_err((e.to_string(), lower_bound)),
+        CoreError::BudgetBelowLowerBound { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
         CoreError::NoFeasiblePlan { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
         other => PlannerError::new_err(other.to_string()),
     }

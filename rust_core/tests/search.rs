@@ -50,7 +50,10 @@ fn budgets_below_the_lower_bound_name_it() {
     let g = p.graph().unwrap();
     let (lb, _) = tensorplace_core::peak::lower_bound(&g);
     match make_plan(&p, lb - 1, "pso", &PlanSettings::default(), |_, _| {}) {
-        Err(e @ CoreError::BudgetBelowLowerBound { .. }) => assert!(e.to_string().contains(&lb.to_string())),
+        Err(e @ CoreError::BudgetBelowLowerBound { smallest_known, .. }) => {
+            assert!(e.to_string().contains(&lb.to_string()));
+            assert!(smallest_known >= lb && e.to_string().contains(&smallest_known.to_string()));
+        }
         other => panic!("{other:?}"),
     }
     match make_plan(&p, 1, "nope", &PlanSettings::default(), |_, _| {}) {
