@@ -102,8 +102,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
     try:
         p = plan_profile(prof, budget, iterations=a.iterations, particles=a.particles)
     except BudgetError as e:
-        print(f"cannot plan: {e}")
-        return 1
+        if a.budget:
+            print(f"cannot plan: {e.args[0]}")
+            return 1
+        print(f"cutting {a.fraction:.0%} of the activation peak is out of reach for this model ({e.args[0]});"
+              f" planning for the smallest budget a known plan meets, {format_bytes(e.args[1])}")
+        budget = int(e.args[1])
+        p = plan_profile(prof, budget, iterations=a.iterations, particles=a.particles)
     search_s = time.perf_counter() - t0
     data = p.to_dict()
     data.update({k: v for k, v in probe.to_dict().items() if k in ("model_fingerprint", "profile", "input_shapes")})
@@ -117,18 +122,18 @@ def cmd_demo(a: argparse.Namespace) -> int:
     pred = p.predicted
     _table(
         f"one training step of {a.model}, budget {format_bytes(budget)} (profile + search {search_s:.1f} s)",
-        ["", "peak", "peak / unplanned", "step ms", "time / unplanned"],
+        ["run", "peak", "vs unplanned", "step ms", "vs unplanned"],
         [
-            ["unplanned (measured)", format_bytes(base["peak_bytes"]), "1.00", _ms(base["step_time"]), "1.00"],
+            ["unplanned, measured", format_bytes(base["peak_bytes"]), "1.00", _ms(base["step_time"]), "1.00"],
             [
-                "planned (measured)",
+                "planned, measured",
                 format_bytes(planned["peak_bytes"]),
                 f"{planned['peak_bytes'] / base['peak_bytes']:.2f}",
                 _ms(planned["step_time"]),
                 f"{planned['step_time'] / base['step_time']:.2f}",
             ],
             [
-                "planned (predicted)",
+                "planned, predicted",
                 format_bytes(pred["peak_bytes"]),
                 f"{pred['peak_bytes'] / base['peak_bytes']:.2f}",
                 _ms(pred["step_time"]),
@@ -298,7 +303,8 @@ def cmd_timeline(a: argparse.Namespace) -> int:
     step = max(1, len(planned["curve"]) // 24)
     rows = [
         [c["stage"], _ms(c["start_time"]), format_bytes(c["peak"]), format_bytes(u["peak"])]
-        for c, u in list(zip(planned["curve"], unplanned["curve"]))[::step]
+        for k, (c, u) in enumerate(zip(planned["curve"], unplanned["curve"]))
+        if k % step == 0 or k == len(planned["curve"]) - 1
     ]
     _table(f"{a.model}: memory per stage, budget {format_bytes(budget)}", ["stage", "start ms", "planned peak", "unplanned peak"], rows)
     if a.json:
