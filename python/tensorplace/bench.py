@@ -332,7 +332,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d = sub.add_parser("demo", help=cmd_demo.__doc__)
     real_args(d)
     d.add_argument("--budget", help="bytes or e.g. 200MiB (default: cut --fraction of the activation peak)")
-    d.add_argument("--fraction", type=float, default=0.5)
+    d.add_argument("--fraction", type=float, default=0.25,
+                   help="share of the unplanned activation peak (peak minus parameters, inputs, optimizer state and gradients) to cut")
     d.add_argument("--save", help="write the plan to this file")
     d.set_defaults(fn=cmd_demo)
 
