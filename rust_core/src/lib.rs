@@ -17,6 +17,7 @@ pub mod plan;
 pub mod planner;
 pub mod profile;
 pub mod pso;
+pub mod versioned;
 
 #[cfg(feature = "python")]
 mod python;

@@ -5,6 +5,7 @@ use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::Outcome;
 use crate::profile::Profile;
+use crate::versioned::read_versioned;
 use serde::{Deserialize, Serialize};
 
 pub const PLAN_FORMAT: &str = "tensorplace.plan";
@@ -111,22 +112,7 @@ impl Plan {
     }
 
     pub fn from_json(text: &str) -> Result<Plan> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| CoreError::Format(format!("plan is not JSON: {e}")))?;
-        let format = value.get("format").and_then(|v| v.as_str()).unwrap_or("");
-        if format != PLAN_FORMAT {
-            return Err(CoreError::Format(format!(
-                "expected \"format\": \"{PLAN_FORMAT}\", found {format:?}; is this a tensorplace plan?"
-            )));
-        }
-        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
-        if version != PLAN_VERSION as u64 {
-            return Err(CoreError::Format(format!(
-                "plan version {version} is not supported (this tensorplace reads version {PLAN_VERSION}); re-plan the model"
-            )));
-        }
-        let plan: Plan = serde_json::from_value(value)
-            .map_err(|e| CoreError::Format(format!("plan does not match format version 1: {e}")))?;
+        let plan: Plan = read_versioned(text, "plan", PLAN_FORMAT, PLAN_VERSION, "re-plan the model")?;
         if plan.actions.len() != plan.units.len() {
             return Err(CoreError::InvalidPlan(format!(
                 "the plan has {} actions for {} units",

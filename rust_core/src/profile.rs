@@ -1,6 +1,7 @@
 //! The Profile: one measured training step cut into units (docs/formats.md).
 
 use crate::error::{CoreError, Result};
+use crate::versioned::read_versioned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -122,23 +123,7 @@ pub struct Graph {
 
 impl Profile {
     pub fn from_json(text: &str) -> Result<Profile> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| CoreError::Format(format!("profile is not JSON: {e}")))?;
-        let format = value.get("format").and_then(|v| v.as_str()).unwrap_or("");
-        if format != PROFILE_FORMAT {
-            return Err(CoreError::Format(format!(
-                "expected \"format\": \"{PROFILE_FORMAT}\", found {:?}; is this a tensorplace profile?",
-                format
-            )));
-        }
-        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
-        if version != PROFILE_VERSION as u64 {
-            return Err(CoreError::Format(format!(
-                "profile version {version} is not supported (this tensorplace reads version {PROFILE_VERSION}); re-profile the model"
-            )));
-        }
-        let profile: Profile = serde_json::from_value(value)
-            .map_err(|e| CoreError::Format(format!("profile does not match format version 1: {e}")))?;
+        let profile: Profile = read_versioned(text, "profile", PROFILE_FORMAT, PROFILE_VERSION, "re-profile the model")?;
         profile.graph()?;
         Ok(profile)
     }
