@@ -239,3 +239,25 @@ def test_distributed_data_parallel_gradients_match(tmp_path) -> None:
         assert r[True].keys() == r[False].keys()
         for n in r[False]:
             assert torch.equal(r[True][n], r[False][n]), f"rank {rank}: gradient of {n} differs under the plan"
+
+
+def test_coarse_units_survive_a_plan_file(tmp_path) -> None:
+    from tensorplace.models import Block
+
+    model, x, loss_fn = gpt(layers=3)
+    plan = tp.plan(model, x, budget=2**40, loss_fn=loss_fn, units=[Block], method="recompute-all", repeats=1)
+    assert [u for u in plan.units if u.startswith("blocks.")] == ["blocks.0", "blocks.1", "blocks.2"]
+    path = tmp_path / "coarse.plan.json"
+    plan.save(path)
+    ref = copy.deepcopy(model)
+    fast = tp.run(model, path)
+    torch.manual_seed(1)
+    loss = loss_fn(fast(x))
+    loss.backward()
+    torch.manual_seed(1)
+    loss_ref = loss_fn(ref(x))
+    loss_ref.backward()
+    assert torch.equal(loss, loss_ref)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert fast.last_stats.replays >= 3
+    fast.close()

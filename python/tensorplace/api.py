@@ -128,6 +128,14 @@ def run(
     """
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    if units is None:
-        units = plan.to_dict().get("unit_modules")
+    if units is None and plan.to_dict().get("unit_modules"):
+        modules = dict(model.named_modules())
+        names = plan.to_dict()["unit_modules"]
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise PlannerError(
+                f"the plan's units {missing[:3]} are not modules of this model; re-plan with "
+                "tensorplace.plan(model, example_inputs, budget, units=...)"
+            )
+        units = [modules[n] for n in names]
     return PlannedTraining(model, plan, backend=backend, units=units, verify=verify)
