@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -405,6 +406,94 @@ def test_every_hook_is_removed_after_an_exception_in_forward(fail_at):
 def test_numpy_copy_bandwidth():
     d2h, h2d = tpp.numpy_copy_bandwidth(1 << 20, repeats=2)
     assert d2h > 1e7 and h2d > 1e7
+
+
+# ------------------------------------------------------------------------------------ timed steps
+
+
+def _executor_module():
+    from cuda_exec import executor
+
+    return executor
+
+
+class Extra(nn.Module):
+    """Runs one more unit in its third forward (the first timed step with warmup=1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x)
+        if self.calls == 3:
+            h = self.extra(h)
+        return self.out(h)
+
+
+def test_timed_steps_run_through_the_executor_with_the_all_retain_plan(monkeypatch):
+    cex = _executor_module()
+    plans = []
+    forward = cex.Executor.forward
+
+    def spy(self, *args, **kwargs):
+        plans.append(list(self.actions))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cex.Executor, "forward", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=2)
+    assert plans == [["retain"] * 5] * 2  # only the timed steps, not the memory step
+    assert _hooks_left(model) == 0
+    assert torch._C._len_torch_function_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert tpp.simulate_all_retain(p)["peak_bytes"] == p["measured"]["peak_bytes"]
+
+
+def test_the_executors_own_work_is_charged_to_the_stage_where_it_runs(monkeypatch):
+    """Work of the executor at a unit's start (its stage boundary) lands in that unit's forward
+    stage; work in its hook at the start of the backward, in the first backward window."""
+    cex = _executor_module()
+    delay = 0.03
+    start = cex._PlanTracker.on_unit_start
+    enter = cex._StepState.enter_backward
+
+    def slow_start(self, index, module, args, kwargs):
+        if index == 2:
+            time.sleep(delay)
+        return start(self, index, module, args, kwargs)
+
+    def slow_enter(self):
+        if not self.backward_running:
+            time.sleep(delay)
+        return enter(self)
+
+    monkeypatch.setattr(cex._PlanTracker, "on_unit_start", slow_start)
+    monkeypatch.setattr(cex._StepState, "enter_backward", slow_enter)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
+    fwd = [u["fwd_time"] for u in p["units"]]
+    bwd = [u["bwd_time"] for u in p["units"]]
+    assert fwd[2] >= delay and max(fwd[:2] + fwd[3:]) < delay, fwd
+    assert bwd[4] >= delay and max(bwd[:4]) < delay, bwd
+    assert p["measured"]["step_time"] >= 2 * delay
+
+
+def test_a_unit_sequence_that_changes_in_a_timed_step_is_refused():
+    model = Extra()
+    with pytest.raises(tpp.ProfilerError) as e:
+        tpp.profile_model(model, torch.randn(4, 8), repeats=1)
+    msg = str(e.value)
+    assert "different sequence of units in timed step 1" in msg and "'extra'" in msg
+    assert _hooks_left(model) == 0
+    assert torch._C._len_torch_function_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 # ------------------------------------------------------------------------------------ stage attribution

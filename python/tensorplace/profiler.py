@@ -14,8 +14,15 @@ What one profile call runs, all on the user's model and inputs, in training mode
    free of torch's allocator on the model's device with a timestamp; the profiler's hooks drop a
    marker at every stage boundary (see "Stages" below). Memory is the constant memory plus the
    running sum of the signed allocation sizes. The profiler's own op timings are not used.
-3. The **timed steps** (`repeats` of them): perf_counter (CUDA events on a GPU) at every stage
-   boundary; per-stage times and the step time are medians over the repeats.
+3. The **timed steps** (`repeats` of them), run through the executor with the all-retain plan
+   (`cuda_exec.executor.PlannedModule(model, ["retain"] * n, backend=backend)`): perf_counter
+   (CUDA events on a GPU) at every stage boundary; per-stage times and the step time
+   (`measured.step_time`) are medians over the repeats. So the stage times include what the
+   executor does in every planned step whatever the plan (its unit tracker's hooks and
+   TorchFunctionMode, the saved-tensor hooks, the backend's poll at every stage boundary), and
+   the cost model charges it to every plan; the all-retain plan's predicted step time is that of
+   the executor's all-retain step, not of a plain step. Memory is not measured there: the
+   memory step runs the plain model (the executor adds no device memory to an all-retain step).
 
 Every step checks that the model ran the same sequence of units as the structure step: a model
 whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
@@ -43,6 +50,14 @@ The timeline of a step is cut into stages, the cost model's F0..F(n-1), B(n-1)..
 
 Times and memory use the same windows, so within one step the stage times add up to the step
 time and every allocation of the step lies in exactly one stage.
+
+In the timed steps the executor's unit tracker hooks the same unit modules (at every forward).
+The profiler's forward pre-hook is registered with `prepend=True`, so its stage mark comes first
+and the tracker's work at a unit's start (the executor's stage-boundary work) belongs to the
+stage that starts there; the executor's setup before the first unit belongs to F0, its work
+after the last unit returns (leaving the tracker, hooking the outputs) to F(n-1). In backward
+the executor only adds tensor hooks (on the outputs) and saved-tensor unpack hooks, which run
+inside the nodes' windows; the profiler's node pre-hooks leave both alone.
 
 Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
 ---------------------------------------------------------------------------------
@@ -552,9 +567,9 @@ def _units_module():
     return mod
 
 
-def _discover(model: nn.Module, units: Any) -> Dict[nn.Module, str]:
-    """Unit modules: cuda_exec.units.discover_units, which takes module classes and instances;
-    qualified module names (strings) are also accepted here and looked up in the model."""
+def _unit_specs(model: nn.Module, units: Any) -> Optional[List[Any]]:
+    """`units` as cuda_exec.units.discover_units takes them (module classes and instances):
+    qualified module names (strings) are looked up in the model."""
     specs = None
     if units is not None:
         specs = []
@@ -571,6 +586,11 @@ def _discover(model: nn.Module, units: Any) -> Dict[nn.Module, str]:
                     f"units must hold module classes, module instances or qualified names, not "
                     f"{type(u).__name__}"
                 )
+    return specs
+
+
+def _discover(model: nn.Module, specs: Optional[List[Any]]) -> Dict[nn.Module, str]:
+    """Unit modules: cuda_exec.units.discover_units over `_unit_specs`."""
     found = _units_module().discover_units(model, specs)
     if not found:
         raise ProfilerError("no module of the model was chosen as a unit")
@@ -643,8 +663,11 @@ class _Instruments:
     # -- hooks ---------------------------------------------------------------------------------
 
     def install(self) -> None:
+        # prepend: the stage mark comes before any other pre-hook of the unit module (the
+        # executor's unit tracker registers its own at every forward), so the executor's work at
+        # a unit's start is charged to the stage it starts, where the executor does it
         for module in self.unit_map:
-            self.handles.append(module.register_forward_pre_hook(self._pre))
+            self.handles.append(module.register_forward_pre_hook(self._pre, prepend=True))
             self.handles.append(module.register_forward_hook(self._post))
 
     def remove(self) -> None:
@@ -751,8 +774,9 @@ def _clear_grads(model: nn.Module) -> None:
 def _run_step(model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, inst: Optional[_Instruments] = None,
               tracker: Any = None) -> None:
     """One training step (forward, loss, backward; no optimizer step), gradients set to None
-    first. `inst` instruments it (installed and always removed here); `tracker` (a
-    cuda_exec.units.UnitTracker) watches the model's forward."""
+    first. `model` is the user's model or a cuda_exec PlannedModule around it. `inst`
+    instruments it (installed and always removed here); `tracker` (a cuda_exec.units.UnitTracker)
+    watches the model's forward."""
     _clear_grads(model)
     if inst is not None:
         inst.install()
@@ -899,7 +923,14 @@ def profile_model(
     if int(warmup) < 0:
         raise ProfilerError(f"warmup must be >= 0, got {warmup}")
     units_mod = _units_module()
-    unit_map = _discover(model, units)
+    specs = _unit_specs(model, units)
+    unit_map = _discover(model, specs)
+    executor_mod = _cuda_exec_module("executor")
+    if executor_mod is None:
+        raise ProfilerError(
+            "cuda_exec.executor is not importable: install cuda_exec (pip install -e cuda_exec) or "
+            "put the checkout's cuda_exec/ folder on PYTHONPATH"
+        )
     clock = _Clock(dev)
     with _preserved(model, dev):
         model.train()
@@ -924,18 +955,32 @@ def profile_model(
         _check_sequence(units_mod, expected, inst.sequence, "the memory step")
         peaks, overall = _stage_peaks(events)
         grad_window = dict(inst.grad_window)
-        # The timed steps.
+        # The timed steps, through the executor with the all-retain plan: the times include
+        # what the executor does in every planned step (its unit tracker, glue mode and
+        # saved-tensor hooks, the backend's poll at every stage), which the cost model charges
+        # to every plan as part of the stage times.
         fwd_runs: List[List[float]] = []
         bwd_runs: List[List[float]] = []
         step_runs: List[float] = []
-        for k in range(int(repeats)):
-            inst = _Instruments(unit_map, kind_of, clock, markers=False)
-            _run_step(model, args, loss_fn, inst=inst)
-            _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
-            fwd, bwd, step = inst.stage_times()
-            fwd_runs.append(fwd)
-            bwd_runs.append(bwd)
-            step_runs.append(step)
+        planned = executor_mod.PlannedModule(model, ["retain"] * n, backend=backend, units=specs)
+        try:
+            for k in range(int(repeats)):
+                inst = _Instruments(unit_map, kind_of, clock, markers=False)
+                try:
+                    _run_step(planned, args, loss_fn, inst=inst)
+                except executor_mod.PlanMismatchError as exc:
+                    _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
+                    raise ProfilerError(
+                        f"the model ran a different sequence of units in timed step {k + 1} than in "
+                        f"the warm-up step ({exc})"
+                    ) from exc
+                _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
+                fwd, bwd, step = inst.stage_times()
+                fwd_runs.append(fwd)
+                bwd_runs.append(bwd)
+                step_runs.append(step)
+        finally:
+            planned.close()
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer)
     d2h, h2d = copy_bandwidth(dev, backend)
