@@ -322,6 +322,29 @@ def test_measured_peak_is_lower_under_swap_and_recompute() -> None:
         assert peak < base - act_total // 3, (plan, peak, base, act_total)
 
 
+def test_the_forward_holding_a_dropped_tensor_is_reported() -> None:
+    class KeepsALocal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)  # saved by b (owned by a), then kept by this local until the return
+            return self.c(self.b(h))
+
+    torch.manual_seed(0)
+    model = KeepsALocal()
+    planned = PlannedModule(model, ["recompute", "recompute", "retain"])
+    out = planned(torch.randn(8, 32))
+    alive = planned.last_stats.dropped_alive
+    # a's output, dropped when b saves it: still alive at the start of c, gone after the forward;
+    # b's output (saved by c) is a temporary the forward lets go of once c has read it
+    assert alive[0] == {2: 8 * 32 * 4}
+    assert 1 not in alive
+    out.sum().backward()
+    planned.close()
+
+
 def test_measure_peak_counts_allocations() -> None:
     def f() -> None:
         a = torch.empty(1 << 20, dtype=torch.uint8)

@@ -448,7 +448,8 @@ def test_timed_steps_run_through_the_executor_with_the_all_retain_plan(monkeypat
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=2)
-    assert plans == [["retain"] * 5] * 2  # only the timed steps, not the memory step
+    # the timed steps, then the replay step (every unit recomputed); not the memory step
+    assert plans == [["retain"] * 5] * 2 + [["recompute"] * 5]
     assert _hooks_left(model) == 0
     assert torch._C._len_torch_function_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -555,3 +556,57 @@ def test_coarse_units(resnet):
     # names work too
     q = tpp.profile_model(resnet, torch.randn(2, *SHAPE), units=["layer1", "layer2"], repeats=1)
     assert "layer1" in [u["name"] for u in q["units"]] and "layer3.0.conv1" in [u["name"] for u in q["units"]]
+
+
+class GlueChain(nn.Module):
+    """A unit followed by a chain of glue: every sin saves its input (owned by `lin`), and its
+    output is a temporary the next multiplication consumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        for _ in range(6):
+            h = torch.sin(h) * 1.5
+        return self.head(h)
+
+
+class KeepsALocal(nn.Module):
+    """`a`'s output is read last by `b`, but the local `h` keeps it until the forward returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(256, 256)
+        self.b = nn.Linear(256, 256)
+        self.c = nn.Linear(256, 256)
+        self.d = nn.Linear(256, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.d(self.c(self.b(h)))  # h, a local, lives until the return
+
+
+def test_replays_are_measured_and_let_go_of_glue_values_early():
+    torch.manual_seed(0)
+    p = tpp.profile_model(GlueChain(), torch.randn(64, 256), repeats=1)
+    lin = p["units"][0]
+    one = 64 * 256 * 4
+    # the replay keeps what it regenerates (the six saved sin inputs and the head's input,
+    # act_bytes) plus about one temporary at a time, as the original forward did, not every
+    # intermediate of the segment
+    assert lin["act_bytes"] == 7 * one
+    assert 0 < lin["replay_transient_bytes"] <= 2 * one + 65536, lin["replay_transient_bytes"]
+    assert "replay_transient_bytes" not in p["units"][1] or p["units"][1]["act_bytes"] > 0
+
+
+def test_what_the_forward_keeps_of_dropped_activations_is_measured():
+    torch.manual_seed(0)
+    p = tpp.profile_model(KeepsALocal(), torch.randn(64, 256), repeats=1)
+    a = p["units"][0]
+    assert p["units"][1]["inputs"] == [0] and p["units"][2]["inputs"] == [1]
+    # b is a's last forward reader, yet h stays until the forward returns (after d)
+    assert a["lingering_bytes"] == 64 * 256 * 4 and a["lingering_until"] == 3
+    assert all("lingering_bytes" not in u for u in p["units"][1:])

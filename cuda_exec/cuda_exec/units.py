@@ -45,8 +45,9 @@ can be rebuilt.
 Per unit the tracker records (:class:`UnitRecord`): its inputs (producer units of the tensors its
 module and its glue read, model inputs by position), output bytes, the bytes of the saved tensors
 it owns, whether its output is among them, ``read_by`` (units whose backward reads its saved
-tensors), and ``held_input_bytes`` (its inputs that nobody saves). One tracker context covers one
-forward.
+tensors), ``held_input_bytes`` (its inputs that nobody saves) and ``saved_inputs`` (the input units
+a value of which it reads is saved: a replay gets that value from the producer's activations, so a
+recomputed producer is replayed first). One tracker context covers one forward.
 """
 
 from __future__ import annotations
@@ -328,6 +329,9 @@ class UnitRecord:
     output_saved: bool = False
     read_by: List[int] = field(default_factory=list)
     held_input_bytes: int = 0
+    #: input units some of whose values this unit reads are saved (among their activations): a
+    #: replay of this unit gets those values from the producers' activations, not from held inputs
+    saved_inputs: List[int] = field(default_factory=list)
     inplace: bool = False  #: its output is an input it modified in place
     saved_tensors: int = 0  #: packs of tensors it owns (a storage packed twice counts twice)
 
@@ -843,6 +847,7 @@ class UnitTracker:
         for rec, seg in zip(self.records, self.segments):
             i = rec.index
             producers: Set[int] = set()
+            saved_producers: Set[int] = set()
             positions: Set[int] = set()
             held: Dict[int, int] = {}
             for ref in seg.inputs:
@@ -853,9 +858,12 @@ class UnitTracker:
                     continue
                 if 0 <= owner < i:
                     producers.add(owner)
+                    if ref.value.saved:
+                        saved_producers.add(owner)
                 if not ref.value.saved:
                     held[ref.value.storage_id] = ref.value.nbytes
             rec.inputs = sorted(producers)
+            rec.saved_inputs = sorted(saved_producers)
             rec.model_inputs = sorted(positions)
             outs = self._out_values[i]
             rec.output_bytes = sum({v.storage_id: v.nbytes for v in outs}.values())

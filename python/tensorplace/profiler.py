@@ -23,6 +23,14 @@ What one profile call runs, all on the user's model and inputs, in training mode
    the cost model charges it to every plan; the all-retain plan's predicted step time is that of
    the executor's all-retain step, not of a plain step. Memory is not measured there: the
    memory step runs the plain model (the executor adds no device memory to an all-retain step).
+4. The **replay step**: one step through the executor with every unit recomputed, under the
+   memory recorder. The executor drops a marker before and after every replay
+   (`cuda_exec.executor.MARK_PREFIX`), so each replay's peak above the memory at its start is
+   measured: `replay_transient_bytes` is that peak minus the unit's `act_bytes` (for the units
+   the step replays). And the executor reports which dropped tensors the forward's own code still
+   held at each stage boundary (`StepStats.dropped_alive`: a local variable of an enclosing
+   module keeps a tensor past its last reader): `lingering_bytes` / `lingering_until`. If the
+   step fails (a unit that cannot be replayed), these fields are left out, with a warning.
 
 Every step checks that the model ran the same sequence of units as the structure step: a model
 whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
@@ -61,8 +69,11 @@ inside the nodes' windows; the profiler's node pre-hooks leave both alone.
 
 Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
 ---------------------------------------------------------------------------------
-- act_bytes, output_bytes, output_saved, read_by, held_input_bytes, inputs, model_inputs: from
-  the unit tracker (saved-tensor ownership by storage and version).
+- act_bytes, output_bytes, output_saved, read_by, held_input_bytes, saved_inputs, inputs,
+  model_inputs: from the unit tracker (saved-tensor ownership by storage and version). On a CPU,
+  held_input_bytes also counts the generator state the executor keeps for a replay
+  (`cuda_exec.executor.replay_state_bytes`), device memory there.
+- replay_transient_bytes, lingering_bytes, lingering_until: from the replay step.
 - grad_bytes: bytes of the gradients of the unit's own parameters (`recurse=False` for a leaf
   unit, all parameters of a coarser unit; shared parameters counted once). A module invoked more
   than once: the gradient is allocated by the backward that runs first, i.e. by the invocation
@@ -112,6 +123,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -766,6 +778,58 @@ def _bisect_right(a: Sequence[int], x: int) -> int:
     return lo
 
 
+def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> Dict[int, int]:
+    """Per replayed unit, the peak of the running allocation sum between the executor's
+    R<unit> and r<unit> markers above its value at R<unit> (a marker at the same timestamp as an
+    allocation: R before it, r after it)."""
+    def key(ev: Tuple[int, Optional[int], Optional[str]]) -> Tuple[int, int]:
+        label = ev[2]
+        return (ev[0], 1 if label is None else (0 if label.startswith("R") else 2))
+
+    level = 0
+    out: Dict[int, int] = {}
+    open_unit: Optional[int] = None
+    start = peak = 0
+    for _, delta, label in sorted(events, key=key):
+        if label is None:
+            level += delta or 0
+            peak = max(peak, level)
+        elif label[:1] == "R" and label[1:].isdigit():
+            open_unit, start, peak = int(label[1:]), level, level
+        elif label[:1] == "r" and label[1:].isdigit() and open_unit == int(label[1:]):
+            out[open_unit] = max(out.get(open_unit, 0), peak - start)
+            open_unit = None
+    return out
+
+
+def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, n: int,
+                 backend: Any, specs: Any, dev: torch.device) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]]]:
+    """The replay step (module docstring): ({unit: peak of its replay above its start},
+    StepStats.dropped_alive), or ({}, {}) with a warning if the all-recompute step fails."""
+    planned = executor_mod.PlannedModule(model, ["recompute"] * n, backend=backend, units=specs)
+    try:
+        _clear_grads(model)
+        gc.collect()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the executor's own warnings about this plan
+            with _memory_recording(dev) as events:
+                _run_step(planned, args, loss_fn)
+        stats = planned.last_stats
+        return _replay_windows(events), dict(stats.dropped_alive) if stats is not None else {}
+    except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
+        warnings.warn(
+            f"the replay step (every unit recomputed) failed ({type(exc).__name__}: {exc}); the "
+            "profile has no replay_transient_bytes and lingering_bytes, and the cost model falls "
+            "back to the forward transients for replays",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return {}, {}
+    finally:
+        planned.close()
+        _clear_grads(model)
+
+
 def _clear_grads(model: nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
@@ -981,9 +1045,12 @@ def profile_model(
                 step_runs.append(step)
         finally:
             planned.close()
+        # The replay step.
+        replays, alive = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev)
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer)
     d2h, h2d = copy_bandwidth(dev, backend)
+    replay_state = executor_mod.replay_state_bytes(dev)
 
     grads = _grad_bytes(records, unit_map, model, grad_window)
     out_units: List[Dict[str, Any]] = []
@@ -999,11 +1066,21 @@ def profile_model(
             "output_bytes": int(r.output_bytes),
             "output_saved": bool(r.output_saved),
             "read_by": list(r.read_by),
-            "held_input_bytes": int(r.held_input_bytes),
+            "held_input_bytes": int(r.held_input_bytes) + replay_state,
+            "saved_inputs": list(r.saved_inputs),
             "fwd_transient_bytes": 0,
             "bwd_transient_bytes": 0,
             "grad_bytes": int(grads[i]),
         })
+    last_fwd = _last_fwd_readers(out_units)
+    for i, u in enumerate(out_units):
+        if i in replays:
+            u["replay_transient_bytes"] = max(0, replays[i] - u["act_bytes"])
+        # dropped bytes the forward still holds after the unit's last forward reader
+        late = {s: b for s, b in alive.get(i, {}).items() if s > last_fwd[i]}
+        if late:
+            u["lingering_bytes"] = min(u["act_bytes"], max(late.values()))
+            u["lingering_until"] = max(late)
     const_total = sum(constant.values())
     fwd_c, bwd_c = _counted_all_retain(out_units, const_total)
     for i, u in enumerate(out_units):

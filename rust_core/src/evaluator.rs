@@ -109,6 +109,10 @@ pub struct Scratch {
     host: Vec<bool>,
     ready: Vec<f64>,
     in_queue: Vec<bool>,
+    /// A recomputed unit's held inputs are on the device (from its forward to its replay).
+    held: Vec<bool>,
+    /// Bytes of a dropped or swapped-out unit's activations the forward still references.
+    lingering: Vec<u64>,
     queue: Vec<(f64, u32)>,
 }
 
@@ -128,6 +132,10 @@ impl Scratch {
         self.ready.resize(n, 0.0);
         self.in_queue.clear();
         self.in_queue.resize(n, false);
+        self.held.clear();
+        self.held.resize(n, false);
+        self.lingering.clear();
+        self.lingering.resize(n, 0);
         self.queue.clear();
     }
 }
@@ -179,8 +187,22 @@ impl<'a> Sim<'a> {
             }
             self.s.in_queue[u] = false;
             self.s.resident[u] = false;
-            self.mem -= self.g.act[u];
+            self.leave(u);
         }
+    }
+
+    /// Unit `u`'s activations leave the device (dropped, or swapped out), except the bytes the
+    /// forward still references: those leave after forward stage `linger_until[u]`.
+    fn leave(&mut self, u: usize) {
+        let g = self.g;
+        let still = match self.stage {
+            Stage::Start => true,
+            Stage::Fwd(s) => g.linger_until[u] >= s,
+            Stage::Bwd(_) => g.linger_until[u] >= g.n,
+        };
+        let keep = if still { g.linger[u] } else { 0 };
+        self.mem -= g.act[u] - keep;
+        self.s.lingering[u] += keep;
     }
 
     /// Before something that needs `extra` bytes on top of `mem`: wait for queued swap-outs
@@ -243,6 +265,15 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// A recomputed unit's held inputs leave after its replay (or when it can no longer be
+    /// replayed).
+    fn release_held(&mut self, u: usize) {
+        if self.s.held[u] {
+            self.s.held[u] = false;
+            self.mem -= self.g.held[u];
+        }
+    }
+
     fn issue_swap_out(&mut self, u: usize) {
         let dur = self.g.act[u] as f64 / self.g.d2h;
         let start = self.t.max(self.copy_free);
@@ -302,20 +333,22 @@ impl<'a> Sim<'a> {
     /// Replay unit `u`'s forward, chaining through inputs that are not resident.
     fn replay(&mut self, u: usize, i: usize) {
         let g = self.g;
-        for &p in &g.inputs[u] {
-            if g.out_saved[p] && g.act[p] > 0 {
+        for &p in &g.replay_inputs[u] {
+            if g.act[p] > 0 {
                 self.ensure(p, i);
             }
         }
-        let alloc = g.act[u] + if g.out_saved[u] { 0 } else { g.out[u] };
-        self.make_room(alloc + g.fwd_transient[u]);
+        // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
+        // its transient and gradients).
+        self.make_room(g.act[u] + g.replay_extra[u] + g.bwd_transient[i] + g.grad[i]);
         self.t += g.fwd_time[u];
         self.recompute += g.fwd_time[u];
         self.mem += g.act[u];
         self.s.resident[u] = true;
         self.s.ready[u] = self.t;
+        self.release_held(u);
         // Inputs materialised only for this replay whose last reader has already run: free them.
-        for &p in &g.inputs[u] {
+        for &p in &g.replay_inputs[u] {
             if let Some(lu) = g.last_use[p] {
                 if lu > i && self.s.resident[p] && !self.s.in_queue[p] {
                     self.s.resident[p] = false;
@@ -381,6 +414,7 @@ pub fn evaluate(
         let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
         if actions[i] == Action::Recompute {
             alloc += g.held[i];
+            sim.s.held[i] = true;
         }
         sim.make_room(alloc + g.fwd_transient[i]);
         sim.t += g.fwd_time[i];
@@ -398,13 +432,23 @@ pub fn evaluate(
                 Action::Retain => {}
                 Action::Recompute => {
                     sim.s.resident[u] = false;
-                    sim.mem -= g.act[u];
+                    sim.leave(u);
                 }
                 Action::Swap => sim.issue_swap_out(u),
             }
         }
+        for &u in &g.linger_release_after_fwd[i] {
+            sim.mem -= std::mem::take(&mut sim.s.lingering[u]);
+        }
         sim.touch(sim.mem);
         sim.end_stage(t0);
+    }
+    // A recomputed unit without activations is never replayed: its held inputs leave when the
+    // forward ends.
+    for u in 0..n {
+        if actions[u] == Action::Recompute && g.act[u] == 0 {
+            sim.release_held(u);
+        }
     }
 
     // Backward stages, last unit first. Prefetch candidates in the order the backward needs them.
@@ -448,7 +492,7 @@ pub fn evaluate(
             }
         }
         if actions[i] == Action::Recompute {
-            sim.mem -= g.held[i];
+            sim.release_held(i);
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);

@@ -54,12 +54,27 @@ pub struct Unit {
     pub read_by: Vec<i64>,
     #[serde(default)]
     pub held_input_bytes: i64,
+    /// The units among `inputs` some value of which this unit reads from their saved activations
+    /// (a replay of this unit needs those activations). Absent: the inputs whose `output_saved`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_inputs: Option<Vec<i64>>,
     #[serde(default)]
     pub fwd_transient_bytes: i64,
     #[serde(default)]
     pub bwd_transient_bytes: i64,
     #[serde(default)]
     pub grad_bytes: i64,
+    /// Memory a replay of the unit uses beyond its `act_bytes` (measured by replaying it).
+    /// Absent: `output_bytes` if the output is not saved, plus `fwd_transient_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_transient_bytes: Option<i64>,
+    /// Bytes of the activations that the forward's own code still references after the unit's
+    /// last forward reader, until the end of forward stage `lingering_until` (the number of units:
+    /// after the forward). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lingering_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lingering_until: Option<i64>,
 }
 
 fn default_kind() -> String {
@@ -105,6 +120,18 @@ pub struct Graph {
     pub bwd_transient: Vec<u64>,
     pub grad: Vec<u64>,
     pub inputs: Vec<Vec<usize>>,
+    /// Per unit, the inputs whose activations a replay of the unit needs resident (`saved_inputs`,
+    /// or the inputs whose output is saved when a profile does not list them), ascending.
+    pub replay_inputs: Vec<Vec<usize>>,
+    /// Per unit, bytes a replay allocates on top of its activations while it runs.
+    pub replay_extra: Vec<u64>,
+    /// Per unit, bytes of its activations still referenced by the forward after its last forward
+    /// reader (0 if none), and the forward stage after which they are let go (`n`: never in
+    /// the forward).
+    pub linger: Vec<u64>,
+    pub linger_until: Vec<usize>,
+    /// For each forward stage, the units whose lingering bytes the forward lets go of after it.
+    pub linger_release_after_fwd: Vec<Vec<usize>>,
     /// Last forward stage that reads the unit's output (the unit itself if nobody does).
     pub last_fwd: Vec<usize>,
     /// Backward stage that first needs the unit's activations (largest reader), or None.
@@ -152,6 +179,15 @@ impl Profile {
                 u.bwd_transient_bytes,
                 u.grad_bytes
             ));
+            if let Some(s) = &u.saved_inputs {
+                h.update(format!("saved_inputs{s:?};"));
+            }
+            if let Some(b) = u.replay_transient_bytes {
+                h.update(format!("replay_transient{b};"));
+            }
+            if let (Some(b), Some(t)) = (u.lingering_bytes, u.lingering_until) {
+                h.update(format!("lingering{b}@{t};"));
+            }
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
@@ -180,6 +216,14 @@ impl Profile {
                     )));
                 }
             }
+            for &p in u.saved_inputs.iter().flatten() {
+                if !u.inputs.contains(&p) {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) lists {p} in saved_inputs but not in inputs; saved_inputs must be a subset of inputs",
+                        u.name
+                    )));
+                }
+            }
             for &r in &u.read_by {
                 if r < 0 || r as usize >= n {
                     return Err(CoreError::InvalidProfile(format!(
@@ -204,6 +248,8 @@ impl Profile {
                 ("fwd_transient_bytes", u.fwd_transient_bytes),
                 ("bwd_transient_bytes", u.bwd_transient_bytes),
                 ("grad_bytes", u.grad_bytes),
+                ("replay_transient_bytes", u.replay_transient_bytes.unwrap_or(0)),
+                ("lingering_bytes", u.lingering_bytes.unwrap_or(0)),
             ];
             for (what, v) in sizes {
                 if v < 0 {
@@ -219,6 +265,25 @@ impl Profile {
                         "unit {i} ({}) has {what} = {v}; times are seconds >= 0",
                         u.name
                     )));
+                }
+            }
+            if u.lingering_bytes.unwrap_or(0) > u.act_bytes {
+                return Err(CoreError::InvalidProfile(format!(
+                    "unit {i} ({}) has lingering_bytes ({}) above its act_bytes ({}); they are part of its activations",
+                    u.name,
+                    u.lingering_bytes.unwrap_or(0),
+                    u.act_bytes
+                )));
+            }
+            if u.lingering_bytes.unwrap_or(0) > 0 {
+                match u.lingering_until {
+                    Some(t) if t >= i as i64 && t <= n as i64 => {}
+                    other => {
+                        return Err(CoreError::InvalidProfile(format!(
+                            "unit {i} ({}) has lingering_bytes but lingering_until is {other:?}; it must be a forward stage from {i} to {n} ({n}: after the forward)",
+                            u.name
+                        )));
+                    }
                 }
             }
             if u.act_bytes > 0 && u.read_by.is_empty() {
@@ -264,6 +329,20 @@ impl Profile {
                 v
             })
             .collect();
+        let replay_inputs: Vec<Vec<usize>> = self
+            .units
+            .iter()
+            .zip(&g_inputs)
+            .map(|(u, ins)| match &u.saved_inputs {
+                Some(s) => {
+                    let mut v: Vec<usize> = s.iter().map(|&p| p as usize).collect();
+                    v.sort_unstable();
+                    v.dedup();
+                    v
+                }
+                None => ins.iter().copied().filter(|&p| self.units[p].output_saved).collect(),
+            })
+            .collect();
         let mut last_fwd: Vec<usize> = (0..n).collect();
         for (i, ins) in g_inputs.iter().enumerate() {
             for &p in ins {
@@ -292,6 +371,28 @@ impl Profile {
         for v in needs.iter_mut() {
             v.sort_unstable_by(|a, b| b.cmp(a));
         }
+        let mut linger = vec![0u64; n];
+        let mut linger_until = last_fwd.clone();
+        let mut linger_release_after_fwd = vec![Vec::new(); n];
+        for (u, unit) in self.units.iter().enumerate() {
+            let bytes = unit.lingering_bytes.unwrap_or(0) as u64;
+            let until = unit.lingering_until.unwrap_or(0).max(0) as usize;
+            if bytes > 0 && until > last_fwd[u] {
+                linger[u] = bytes;
+                linger_until[u] = until;
+                if until < n {
+                    linger_release_after_fwd[until].push(u);
+                }
+            }
+        }
+        let replay_extra: Vec<u64> = self
+            .units
+            .iter()
+            .map(|u| match u.replay_transient_bytes {
+                Some(b) => b as u64,
+                None => (if u.output_saved { 0 } else { u.output_bytes } + u.fwd_transient_bytes) as u64,
+            })
+            .collect();
         let mut need_order: Vec<usize> = (0..n).filter(|&u| first_need[u].is_some()).collect();
         need_order.sort_unstable_by(|&a, &b| first_need[b].cmp(&first_need[a]).then(b.cmp(&a)));
         let u64s = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> { self.units.iter().map(|u| f(u) as u64).collect() };
@@ -310,6 +411,11 @@ impl Profile {
             bwd_transient: u64s(&|u| u.bwd_transient_bytes),
             grad: u64s(&|u| u.grad_bytes),
             inputs: g_inputs,
+            replay_inputs,
+            replay_extra,
+            linger,
+            linger_until,
+            linger_release_after_fwd,
             last_fwd,
             first_need,
             last_use,

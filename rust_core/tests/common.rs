@@ -15,9 +15,13 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         output_saved: true,
         read_by: vec![],
         held_input_bytes: 0,
+        saved_inputs: None,
         fwd_transient_bytes: 0,
         bwd_transient_bytes: 0,
         grad_bytes: 0,
+        replay_transient_bytes: None,
+        lingering_bytes: None,
+        lingering_until: None,
     }
 }
 

@@ -89,3 +89,100 @@ fn a_prefetch_is_issued_no_earlier_than_the_lookahead() {
     // Unit 0 is first needed by backward of unit 1; lookahead 2 -> issued at backward of 3.
     assert_eq!(o.prefetch, vec![(0, 3)]);
 }
+
+fn stage_point(o: &tensorplace_core::Outcome, stage: Stage) -> tensorplace_core::evaluator::CurvePoint {
+    *o.curve.iter().find(|c| c.stage == stage).expect("stage in the curve")
+}
+
+/// Unit 0 owns a saved glue value (softmax output, say) that unit 1's segment reads, while its
+/// module output (not saved) is held by unit 1: replaying unit 1 needs unit 0 replayed first.
+fn glue_pair(saved_inputs: Option<Vec<i64>>) -> tensorplace_core::Profile {
+    let mut u0 = unit("qkv", &[], 1.0, 1.0, 20);
+    u0.output_bytes = 10;
+    u0.output_saved = false;
+    u0.read_by = vec![0];
+    let mut u1 = unit("drop", &[0], 2.0, 1.0, 5);
+    u1.read_by = vec![1];
+    u1.held_input_bytes = 10;
+    u1.saved_inputs = saved_inputs;
+    profile(vec![u0, u1], 0, 1.0)
+}
+
+#[test]
+fn a_replay_chains_through_a_saved_value_of_an_input_whose_output_is_not_saved() {
+    let with = eval(&glue_pair(Some(vec![0])), &[Recompute, Recompute], u64::MAX);
+    // B1 replays unit 0 (20 bytes kept until B0, its unsaved output of 10 while it runs) next to
+    // unit 1's held input (10), then unit 1 (5).
+    assert_eq!(stage_point(&with, Stage::Bwd(1)).peak, 10 + 20 + 10);
+    assert_eq!(stage_point(&with, Stage::Bwd(0)).mem_start, 20);
+    assert!((with.recompute - 3.0).abs() < 1e-9, "recompute {}", with.recompute);
+    // A profile without saved_inputs chains only through saved outputs: B1 replays unit 1 alone.
+    let without = eval(&glue_pair(None), &[Recompute, Recompute], u64::MAX);
+    assert_eq!(stage_point(&without, Stage::Bwd(1)).peak, 10 + 5);
+    assert!((without.recompute - 3.0).abs() < 1e-9);
+}
+
+#[test]
+fn held_inputs_leave_right_after_the_replay() {
+    // u0's output (10, not saved) is held by u1 (recomputed); u1's activations (4) are first needed
+    // by B2, so u1 is replayed there and its held input leaves then, not after B1.
+    let mut u0 = unit("a", &[], 1.0, 1.0, 0);
+    u0.output_bytes = 10;
+    u0.output_saved = false;
+    let mut u1 = unit("b", &[0], 1.0, 1.0, 4);
+    u1.held_input_bytes = 10;
+    u1.read_by = vec![2, 1];
+    let mut u2 = unit("c", &[1], 1.0, 1.0, 0);
+    u2.output_bytes = 1;
+    u2.output_saved = false;
+    let p = profile(vec![u0, u1, u2], 0, 1.0);
+    let o = eval(&p, &[Retain, Recompute, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Bwd(2)).mem_start, 10);
+    assert_eq!(stage_point(&o, Stage::Bwd(2)).peak, 10 + 4);
+    assert_eq!(stage_point(&o, Stage::Bwd(1)).mem_start, 4);
+    // A recomputed unit without activations is never replayed: its held input leaves when the
+    // forward ends.
+    let mut q = p.clone();
+    q.units[1].act_bytes = 0;
+    q.units[1].read_by = vec![];
+    let o = eval(&q, &[Retain, Recompute, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(2)).peak, 10 + 1);
+    assert_eq!(stage_point(&o, Stage::Bwd(2)).mem_start, 0);
+}
+
+#[test]
+fn lingering_activations_leave_when_the_forward_lets_go_of_them() {
+    // u0's last forward reader is u1, but the forward keeps 6 of its 10 bytes until F3 ends.
+    let mut p = chain(&[1.0; 5], &[10, 1, 1, 1, 1], 0, 1e9);
+    p.units[0].lingering_bytes = Some(6);
+    p.units[0].lingering_until = Some(3);
+    let o = eval(&p, &[Recompute, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(2)).mem_start, 6 + 1);
+    assert_eq!(stage_point(&o, Stage::Fwd(3)).mem_start, 6 + 2);
+    assert_eq!(stage_point(&o, Stage::Fwd(4)).mem_start, 3);
+    // A swap-out that completes while the forward still holds those bytes frees only the rest
+    // (its copy, issued after F1, has completed by the start of F3).
+    let o = eval(&p, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(2)).mem_start, 10 + 1);
+    assert_eq!(stage_point(&o, Stage::Fwd(3)).mem_start, 6 + 2);
+    assert_eq!(stage_point(&o, Stage::Fwd(4)).mem_start, 3);
+    // Without lingering bytes the dropped activations leave after F1.
+    p.units[0].lingering_bytes = None;
+    p.units[0].lingering_until = None;
+    let o = eval(&p, &[Recompute, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(2)).mem_start, 1);
+}
+
+#[test]
+fn a_replay_is_charged_its_measured_transient_inside_the_stage_that_needs_it() {
+    let mut p = chain(&[1.0, 1.0], &[10, 10], 0, 1.0);
+    p.units[0].fwd_transient_bytes = 100;
+    p.units[1].bwd_transient_bytes = 7;
+    p.units[1].grad_bytes = 2;
+    // Unit 0 is first needed by B1: its replay runs with B1's transient and gradients on top.
+    let o = eval(&p, &[Recompute, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Bwd(1)).peak, 10 + 10 + 100 + 7 + 2);
+    p.units[0].replay_transient_bytes = Some(3);
+    let o = eval(&p, &[Recompute, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Bwd(1)).peak, 10 + 10 + 3 + 7 + 2);
+}

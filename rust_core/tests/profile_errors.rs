@@ -45,3 +45,26 @@ fn json_round_trip_and_version_check() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn replay_and_lingering_fields_are_checked() {
+    let mut u = wire(vec![unit("a", &[], 1.0, 1.0, 4), unit("b", &[0], 1.0, 1.0, 4), unit("c", &[], 1.0, 1.0, 4)]);
+    u[1].saved_inputs = Some(vec![2]);
+    assert!(err(profile(u.clone(), 0, 1.0)).contains("saved_inputs must be a subset of inputs"));
+    u[1].saved_inputs = Some(vec![0]);
+    u[0].lingering_bytes = Some(5);
+    u[0].lingering_until = Some(2);
+    assert!(err(profile(u.clone(), 0, 1.0)).contains("above its act_bytes"));
+    u[0].lingering_bytes = Some(3);
+    u[0].lingering_until = Some(4);
+    assert!(err(profile(u.clone(), 0, 1.0)).contains("lingering_until"));
+    u[0].lingering_until = Some(3); // after the forward
+    let p = profile(u, 0, 1.0);
+    assert!(p.graph().is_ok());
+    // the new fields survive JSON and enter the fingerprint
+    let back = tensorplace_core::Profile::from_json(&p.to_json()).unwrap();
+    assert_eq!(back, p);
+    let mut q = p.clone();
+    q.units[0].lingering_bytes = Some(2);
+    assert_ne!(q.fingerprint(), p.fingerprint());
+}
