@@ -136,3 +136,9 @@ def test_more_search_never_finds_a_worse_plan_for_the_same_seed(plain20):
     short = tp.plan_profile(plain20, budget, particles=30, iterations=5, seed=3)
     long = tp.plan_profile(plain20, budget, particles=30, iterations=30, seed=3)
     assert long.predicted["step_time"] <= short.predicted["step_time"]
+
+
+def test_replan_needs_a_profile(plain20):
+    plan = tp.plan_profile(plain20, tp.unplanned_peak(plain20), method="retain")
+    with pytest.raises(tp.PlannerError, match="carries no profile"):
+        plan.replan("1GiB")

@@ -63,10 +63,7 @@ def mixed_plan(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch
     prof = probe.to_dict()["profile"]
     up = tp.unplanned_peak(prof)
     budget = max(tp.lower_bound(prof), int(up - 0.5 * (up - fixed_bytes(probe))))
-    plan = tp.plan_profile(prof, budget, particles=40, iterations=20, seed=1)
-    data = plan.to_dict()
-    data.update({k: probe.to_dict()[k] for k in ("model_fingerprint", "profile", "input_shapes")})
-    return tp.Plan(data)
+    return probe.replan(budget, particles=40, iterations=20, seed=1)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -109,12 +106,8 @@ def _measured_vs_predicted(name: str, model: nn.Module, x: torch.Tensor, loss_fn
                            cut: float) -> Tuple[int, Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
     base = unplanned_step_stats(model, (x,), loss_fn=loss_fn, repeats=1)
     probe = tp.plan(model, x, budget=2**40, loss_fn=loss_fn, method="retain", repeats=1)
-    prof = probe.to_dict()["profile"]
     budget = int(base["peak_bytes"] - cut * (base["peak_bytes"] - fixed_bytes(probe)))
-    plan = tp.plan_profile(prof, budget, particles=60, iterations=30)
-    data = plan.to_dict()
-    data.update({k: probe.to_dict()[k] for k in ("model_fingerprint", "profile", "input_shapes")})
-    plan = tp.Plan(data)
+    plan = probe.replan(budget, particles=60, iterations=30)
     fast = tp.run(model, plan)
     measured = unplanned_step_stats(fast, (x,), loss_fn=loss_fn, repeats=1)
     fast.close()

@@ -100,7 +100,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     fixed = base["constant_bytes"] + grads
     budget = parse_budget(a.budget) if a.budget else int(base["peak_bytes"] - a.fraction * (base["peak_bytes"] - fixed))
     try:
-        p = plan_profile(prof, budget, iterations=a.iterations, particles=a.particles)
+        p = probe.replan(budget, iterations=a.iterations, particles=a.particles)
     except BudgetError as e:
         if a.budget:
             print(f"cannot plan: {e.args[0]}")
@@ -108,13 +108,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"cutting {a.fraction:.0%} of the activation peak is out of reach for this model ({e.args[0]});"
               f" planning for the smallest budget a known plan meets, {format_bytes(e.args[1])}")
         budget = int(e.args[1])
-        p = plan_profile(prof, budget, iterations=a.iterations, particles=a.particles)
+        p = probe.replan(budget, iterations=a.iterations, particles=a.particles)
     search_s = time.perf_counter() - t0
-    data = p.to_dict()
-    data.update({k: v for k, v in probe.to_dict().items() if k in ("model_fingerprint", "profile", "input_shapes")})
-    from .planning import Plan
-
-    p = Plan(data)
     print(p.summary())
     fast = run(model, p)
     planned = _measure(fast, x, loss_fn, a.repeats)
@@ -153,26 +148,21 @@ def cmd_accuracy(a: argparse.Namespace) -> int:
     """Predicted against measured step time and peak for several plans of one real model."""
     from .api import plan as make_plan
     from .api import run
-    from .planning import Plan
 
     model, x, loss_fn = _real_model(a.model, a.batch, a.image, a.seq)
     base = _measure(model, x, loss_fn, a.repeats)
     probe = make_plan(model, x, base["peak_bytes"], loss_fn=loss_fn, method="retain")
-    extra = {k: v for k, v in probe.to_dict().items() if k in ("model_fingerprint", "profile", "input_shapes")}
-    prof = extra["profile"]
+    prof = probe.to_dict()["profile"]
     fixed = base["constant_bytes"] + sum(u["grad_bytes"] for u in prof["units"])
     rows = []
     for frac in a.fractions:
         budget = int(base["peak_bytes"] - frac * (base["peak_bytes"] - fixed))
         for method in a.methods:
             try:
-                p = plan_profile(prof, budget, method, iterations=a.iterations, particles=a.particles)
+                p = probe.replan(budget, method, iterations=a.iterations, particles=a.particles)
             except BudgetError:
                 rows.append([f"{frac:.2f}", method, "infeasible", "", "", "", "", ""])
                 continue
-            d = p.to_dict()
-            d.update(extra)
-            p = Plan(d)
             fast = run(model, p)
             m = _measure(fast, x, loss_fn, a.repeats)
             fast.close()

@@ -134,6 +134,20 @@ class Plan:
         """Raise if this plan was made for another profile."""
         _core.validate_plan(json.dumps(self._data), profile_json(profile))
 
+    def replan(self, budget: Budget, method: str = "pso", **search: Any) -> "Plan":
+        """A plan for the same model and inputs under another budget or method, searched on the
+        profile this plan carries (plans from ``tensorplace.plan()`` do): no new profiling."""
+        data = self.to_dict()
+        if "profile" not in data:
+            raise _core.PlannerError(
+                "this plan carries no profile (it was made by plan_profile); call plan_profile(profile, budget) instead"
+            )
+        new = plan_profile(data["profile"], budget, method, **search).to_dict()
+        for key in ("model_fingerprint", "profile", "input_shapes", "unit_modules"):
+            if key in data:
+                new[key] = data[key]
+        return Plan(new)
+
     def summary(self) -> str:
         p = self.predicted
         c = self.counts()
