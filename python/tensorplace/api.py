@@ -85,9 +85,10 @@ class PlannedTraining(PlannedModule):
     this input shape."""
 
     def __init__(self, model: nn.Module, plan: Plan, **kwargs: Any):
-        super().__init__(model, plan.to_dict(), **kwargs)
+        data = plan.to_dict()
+        super().__init__(model, data, **kwargs)
         self._expected_inputs: Optional[str] = None
-        self._planned_shapes = plan.to_dict().get("input_shapes", "?")
+        self._planned_shapes = data.get("input_shapes", "?")
         fp = plan.model_fingerprint
         if fp:
             parts = dict(p.split(":", 1) for p in fp.split(";") if ":" in p)
