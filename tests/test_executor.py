@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -14,9 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cuda_exec"))
-sys.path.insert(0, os.path.dirname(__file__))
 
 import models  # noqa: E402
 from cuda_exec.cpu_backend import CpuBackend  # noqa: E402

@@ -6,35 +6,15 @@ and checks that the evaluator's all-retain plan reproduces the measured peak.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 import time
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for sub in ("python", "cuda_exec"):
-    path = os.path.join(ROOT, sub)
-    if path not in sys.path:
-        sys.path.append(path)
-
-try:
-    from tensorplace import profiler as tpp
-except ImportError:  # the package (its compiled core) is not built: load the module by path
-    _spec = importlib.util.spec_from_file_location(
-        "tensorplace_profiler", os.path.join(ROOT, "python", "tensorplace", "profiler.py")
-    )
-    tpp = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(tpp)
-
-try:
-    from tensorplace import _core
-except ImportError:
-    _core = None
+from tensorplace import _core
+from tensorplace import profiler as tpp
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -189,8 +169,6 @@ def test_json_round_trip_and_validation(resnet_b4):
     assert back == resnet_b4
     assert back["format"] == "tensorplace.profile" and back["version"] == 1
     assert back["device"] == "cpu" and back["model"] == "resnet18"
-    if _core is None or not hasattr(_core, "validate_profile"):
-        pytest.skip("tensorplace._core is not built")
     _core.validate_profile(text)
 
 
@@ -199,8 +177,7 @@ def test_all_retain_prediction_reproduces_the_measured_peak(resnet_b4):
     sim = tpp.simulate_all_retain(resnet_b4)
     assert sim["peak_bytes"] == pytest.approx(measured, rel=0.02)
     assert sim["peak_stage"].startswith("bwd:")  # gradients and activations meet in backward
-    if _core is not None and hasattr(_core, "unplanned_peak"):
-        assert _core.unplanned_peak(json.dumps(resnet_b4)) == sim["peak_bytes"]
+    assert _core.unplanned_peak(json.dumps(resnet_b4)) == sim["peak_bytes"]
 
 
 def test_activation_bytes_are_in_a_sane_range_of_the_measured_peak(resnet_b4):
@@ -269,8 +246,7 @@ def test_mlp_units_grads_and_model_left_as_found():
     assert all(q.grad is None for q in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert _hooks_left(model) == 0
-    if _core is not None and hasattr(_core, "validate_profile"):
-        _core.validate_profile(json.dumps(p))
+    _core.validate_profile(json.dumps(p))
 
 
 def test_optimizer_state_is_counted_without_touching_the_optimizer():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from typing import Any, Callable, Dict, Tuple
 
 import pytest

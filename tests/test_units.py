@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Dict
 
 import pytest
 import torch
 from torch import nn
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cuda_exec"))
-sys.path.insert(0, os.path.dirname(__file__))
 
 import models  # noqa: E402
 from cuda_exec.units import (  # noqa: E402

@@ -106,7 +106,6 @@ Use:
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
