@@ -84,6 +84,13 @@ def _measure(module: Any, x: Any, loss_fn: Callable[[Any], Any], repeats: int) -
     return unplanned_step_stats(module, (x,), loss_fn=loss_fn, repeats=repeats)
 
 
+def _cut_budget(base: Dict[str, Any], prof: Dict[str, Any], fraction: float) -> int:
+    """The unplanned peak minus `fraction` of the activation peak (the peak less what no plan
+    moves: parameters, inputs, optimizer state and gradients)."""
+    fixed = base["constant_bytes"] + sum(u["grad_bytes"] for u in prof["units"])
+    return int(base["peak_bytes"] - fraction * (base["peak_bytes"] - fixed))
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     """Profile, plan for a budget that halves the activation peak, train under the plan, and
     print measured against unplanned and predicted."""
@@ -96,9 +103,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     probe = make_plan(model, x, base["peak_bytes"], loss_fn=loss_fn, method="retain")
     prof = probe.to_dict()["profile"]
-    grads = sum(u["grad_bytes"] for u in prof["units"])
-    fixed = base["constant_bytes"] + grads
-    budget = parse_budget(a.budget) if a.budget else int(base["peak_bytes"] - a.fraction * (base["peak_bytes"] - fixed))
+    budget = parse_budget(a.budget) if a.budget else _cut_budget(base, prof, a.fraction)
     try:
         p = probe.replan(budget, iterations=a.iterations, particles=a.particles)
     except BudgetError as e:
@@ -153,10 +158,9 @@ def cmd_accuracy(a: argparse.Namespace) -> int:
     base = _measure(model, x, loss_fn, a.repeats)
     probe = make_plan(model, x, base["peak_bytes"], loss_fn=loss_fn, method="retain")
     prof = probe.to_dict()["profile"]
-    fixed = base["constant_bytes"] + sum(u["grad_bytes"] for u in prof["units"])
     rows = []
     for frac in a.fractions:
-        budget = int(base["peak_bytes"] - frac * (base["peak_bytes"] - fixed))
+        budget = _cut_budget(base, prof, frac)
         for method in a.methods:
             try:
                 p = probe.replan(budget, method, iterations=a.iterations, particles=a.particles)
@@ -229,17 +233,17 @@ def cmd_maxbatch(a: argparse.Namespace) -> int:
     memory = parse_budget(a.memory)
     rows = []
     for method in a.methods:
-        lo, hi = 0, 1
-        while hi <= 1 << 14 and _fits(a.model, hi, memory, method, a) is not None:
-            lo, hi = hi, hi * 2
+        lo, hi, t = 0, 1, None  # t: predicted step time at batch lo
+        while hi <= 1 << 14 and (th := _fits(a.model, hi, memory, method, a)) is not None:
+            lo, hi, t = hi, hi * 2, th
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if _fits(a.model, mid, memory, method, a) is not None:
-                lo = mid
+            tm = _fits(a.model, mid, memory, method, a)
+            if tm is not None:
+                lo, t = mid, tm
             else:
                 hi = mid
-        t = _fits(a.model, lo, memory, method, a) if lo else None
-        rows.append([method, lo, "-" if t is None or not lo else f"{lo / t:.0f}"])
+        rows.append([method, lo, "-" if t is None else f"{lo / t:.0f}"])
     _table(f"{a.model}: largest batch in {format_bytes(memory)} (predicted)", ["method", "max batch", "samples/s"], rows)
     return 0
 
