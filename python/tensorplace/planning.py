@@ -12,6 +12,7 @@ from .budget import Budget, format_bytes, parse_budget
 ProfileLike = Union[Dict[str, Any], str, "os.PathLike[str]"]
 
 ACTIONS = ("retain", "swap", "recompute")
+MILP_METHODS = ("milp", "milp-swap", "milp-recompute")
 
 
 def profile_json(profile: ProfileLike) -> str:
@@ -178,14 +179,34 @@ def plan_profile(
     mutation: float = 0.0,
     patience: Optional[int] = None,
     prefetch_lookahead: int = 2,
+    time_limit: float = 30.0,
+    mip_gap: float = 1e-4,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
-    Methods: "pso" (HOME), "exhaustive" (every plan; up to 14 units), and the fixed plans
-    "retain", "swap-all", "recompute-all". Raises `BudgetError` (with the smallest budget known
-    to work in `args[1]`) when the budget cannot be met.
+    Methods: "pso" (HOME), "exhaustive" (every plan; up to 14 units), the fixed plans
+    "retain", "swap-all", "recompute-all", and the MILPs "milp" (swap and recompute),
+    "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
+    seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
+    smallest budget known to work in `args[1]`) when the budget cannot be met.
     """
     text = profile_json(profile)
+    if method in MILP_METHODS:
+        from .methods.milp import milp_plan
+
+        return Plan(
+            json.loads(
+                milp_plan(
+                    text,
+                    parse_budget(budget),
+                    method,
+                    time_limit=time_limit,
+                    mip_gap=mip_gap,
+                    threads=threads,
+                    prefetch_lookahead=prefetch_lookahead,
+                )
+            )
+        )
     data = _core.make_plan(
         text,
         parse_budget(budget),

@@ -67,9 +67,58 @@ pub fn make_plan(
             )))
         }
     };
-    let outcome = evaluate(&g, &actions, budget, &settings.eval, &mut Scratch::new(g.n), true);
+    finish(profile, &g, budget, method, method_settings, actions, convergence, &settings.eval, lb)
+}
+
+/// The budget check every method starts with: refuse a budget below the lower bound, naming the
+/// smallest budget known to work. Returns the lower bound.
+pub fn check_budget(profile: &Profile, budget: u64, eval: &EvalOptions) -> Result<u64> {
+    let g = profile.graph()?;
+    let (lb, _) = lower_bound(&g);
+    if budget < lb {
+        let (smallest, _) = smallest_known_budget(&g, eval);
+        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
+    }
+    Ok(lb)
+}
+
+/// A plan from actions chosen outside the core (the MILP methods in Python): the same budget
+/// check, evaluation and refusal of infeasible results as `make_plan`.
+pub fn plan_from_actions(
+    profile: &Profile,
+    budget: u64,
+    method: &str,
+    method_settings: serde_json::Value,
+    actions: Vec<Action>,
+    eval: &EvalOptions,
+) -> Result<Plan> {
+    let lb = check_budget(profile, budget, eval)?;
+    let g = profile.graph()?;
+    if actions.len() != g.n {
+        return Err(CoreError::InvalidPlan(format!(
+            "{} actions for {} units; give one action per unit",
+            actions.len(),
+            g.n
+        )));
+    }
+    finish(profile, &g, budget, method, method_settings, actions, None, eval, lb)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    profile: &Profile,
+    g: &crate::profile::Graph,
+    budget: u64,
+    method: &str,
+    method_settings: serde_json::Value,
+    actions: Vec<Action>,
+    convergence: Option<serde_json::Value>,
+    eval: &EvalOptions,
+    lb: u64,
+) -> Result<Plan> {
+    let outcome = evaluate(g, &actions, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
-        let (smallest, _) = smallest_known_budget(&g, &settings.eval);
+        let (smallest, _) = smallest_known_budget(g, eval);
         return Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest.max(lb), lower_bound: lb });
     }
     let mut plan = Plan::new(profile, budget, method, method_settings, actions, &outcome);

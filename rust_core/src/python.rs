@@ -5,7 +5,7 @@ use crate::error::CoreError;
 use crate::evaluator::{evaluate as run_evaluate, EvalOptions, Outcome, Scratch};
 use crate::peak;
 use crate::plan::Plan;
-use crate::planner::{make_plan as run_make_plan, PlanSettings};
+use crate::planner::{check_budget as run_check_budget, make_plan as run_make_plan, plan_from_actions as run_plan_from_actions, PlanSettings};
 use crate::profile::Profile;
 use crate::pso::PsoSettings;
 use pyo3::create_exception;
@@ -153,6 +153,35 @@ fn validate_plan(plan_json: &str, profile_json: Option<&str>) -> PyResult<String
     Ok(plan.to_json())
 }
 
+/// Refuse a budget below the lower bound of any plan (BudgetError naming the smallest budget known
+/// to work); returns the lower bound. What every method checks before it searches.
+#[pyfunction]
+#[pyo3(signature = (profile_json, budget, prefetch_lookahead=2))]
+fn check_budget(profile_json: &str, budget: u64, prefetch_lookahead: usize) -> PyResult<u64> {
+    let p = parse_profile(profile_json)?;
+    run_check_budget(&p, budget, &EvalOptions { prefetch_lookahead }).map_err(to_py)
+}
+
+/// A plan from actions chosen outside the core (the MILP methods): evaluated and refused like a
+/// searched plan (BudgetError if it does not fit). `settings_json` is stored in the plan.
+#[pyfunction]
+#[pyo3(signature = (profile_json, budget, actions, method, settings_json="{}", prefetch_lookahead=2))]
+fn plan_from_actions(
+    profile_json: &str,
+    budget: u64,
+    actions: Vec<String>,
+    method: &str,
+    settings_json: &str,
+    prefetch_lookahead: usize,
+) -> PyResult<String> {
+    let p = parse_profile(profile_json)?;
+    let a = parse_actions(actions, p.units.len())?;
+    let settings: serde_json::Value = serde_json::from_str(settings_json)
+        .map_err(|e| PlannerError::new_err(format!("settings_json is not JSON: {e}")))?;
+    let plan = run_plan_from_actions(&p, budget, method, settings, a, &EvalOptions { prefetch_lookahead }).map_err(to_py)?;
+    Ok(plan.to_json())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PlannerError", m.py().get_type::<PlannerError>())?;
@@ -167,5 +196,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(smallest_known_budget, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
     m.add_function(wrap_pyfunction!(validate_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(check_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_from_actions, m)?)?;
     Ok(())
 }
