@@ -13,9 +13,10 @@ Stages are numbered s = 0 .. 2n-1: forward F0 .. F(n-1) are 0 .. n-1, backward B
 For a unit u that owns activations the model has binaries r_u, w_u, c_u (retain, swap,
 recompute; one of them is 1), and for a swap:
 
-- z[u, b]: the swap-out has left the device before stage b (b in lf+2 .. lf+1+K, the copy is
-  queued after u's last forward reader lf); the copy's work is split over the stages before b
-  (continuous f[u, k] <= d_u * [u still on the device at k]);
+- z[u, b]: the swap-out has left the device when stage b allocates (b in lf+1 .. lf+1+K, the
+  copy is queued after u's last forward reader lf); the copy's work is split over the stages
+  before b (continuous, f[u, k] <= d_u * [u still on the device at k]), and at stage b itself it
+  is a stall (the evaluator waits for a queued swap-out when a stage does not fit);
 - y[u, p]: the prefetch is issued at the start of stage p (within the evaluator's lookahead
   window before u's first backward reader fn); its work g[u, k] runs in stages p .. fn, and work
   at fn itself is a stall;
@@ -216,7 +217,9 @@ def build(
     dur = np.array(g.fwd + g.bwd[::-1], dtype=float)
     # Scaling for the solver: times in units of the mean stage, memory in units of budget / 1e4
     # (seconds and bytes side by side are 10 orders of magnitude apart).
-    tu = float(dur.sum() / S) if dur.sum() > 0 else 1.0
+    copies = [a / min(g.d2h, g.h2d) for a in g.act if a > 0]
+    tu = max(float(dur.sum() / S), float(np.mean(copies)) if copies else 0.0)
+    tu = tu if tu > 0 else 1.0
     mu = max(float(budget), 1.0) / 1e4
     g = replace(g, fwd=[t / tu for t in g.fwd], bwd=[t / tu for t in g.bwd], d2h=g.d2h * tu, h2d=g.h2d * tu)
     dur = dur / tu
@@ -248,7 +251,7 @@ def build(
         act = float(g.act[u])
         r = m.col(integer=True)
         p_lo, p_hi = max(fn - lookahead, n), fn
-        b_lo, b_hi = lf + 2, min(lf + 1 + swap_window, fn)
+        b_lo, b_hi = lf + 1, min(lf + 1 + swap_window, fn)
         can_swap = allow_swap and b_lo <= b_hi
         w = m.col(integer=True) if can_swap else None
         c = m.col(integer=True, cost=g.fwd[u]) if allow_recompute else None
@@ -288,20 +291,27 @@ def build(
             for s in range(lf + 1, S):
                 wm[s] += lin(s)
             wm[fn + 1 : lu + 1] += act - np.array([lin(s) for s in range(fn + 1, lu + 1)])
-            # Swap-out: on the device at stage k while not yet released; its copy works there.
+            # Swap-out: on the device at stage k while not yet released (b > k); its copy works
+            # in the stages before b, and at stage b itself only as a stall (the evaluator waits
+            # for a queued swap-out when the stage does not fit).
             work_out: Dict[int, float] = {}
-            for k in range(lf + 1, b_hi):
-                for b, col in U[u].z.items():
-                    if b > k:
-                        memc(col)[k] += act - lin(k)
-                f = m.col(lo=0.0, hi=d)
-                _add(cap[k], f, 1.0)
-                row = {f: 1.0}
-                for b, col in U[u].z.items():
-                    if b > k:
-                        row[col] = -d
-                m.row(row, -np.inf, 0.0)
-                work_out[f] = 1.0
+            for k in range(lf + 1, b_hi + 1):
+                later = {col: 1.0 for b, col in U[u].z.items() if b > k}
+                for col in later:
+                    memc(col)[k] += act - lin(k)
+                if later:
+                    fa = m.col(lo=0.0, hi=d)
+                    _add(cap[k], fa, 1.0)
+                    m.row({fa: 1.0, **{col: -d for col in later}}, -np.inf, 0.0)
+                    work_out[fa] = 1.0
+                if k in U[u].z:
+                    fs = m.col(lo=0.0, hi=d)
+                    _add(cap[k], fs, 1.0)
+                    _add(own[k], fs, 1.0)
+                    m.row({fs: 1.0, U[u].z[k]: -d}, -np.inf, 0.0)
+                    if k in U[u].y:  # a prefetch issued then would cancel the swap-out instead
+                        m.row({fs: 1.0, U[u].y[k]: d}, -np.inf, d)
+                    work_out[fs] = 1.0
             m.row({**work_out, w: -d}, 0.0, 0.0)
             # Prefetch: allocated from its issue stage on; its copy works from then to fn.
             work_in: Dict[int, float] = {}
@@ -379,6 +389,21 @@ def build(
     # Memory per stage, written as differences between consecutive stages (sparse):
     # M_s - M_{s-1} - sum_j (a_js - a_j,s-1) x_j = base_s - base_{s-1}, M_s <= budget.
     M = [m.col(lo=-np.inf, hi=float(budget) / mu) for _ in range(S)]
+    # The evaluator issues a prefetch at the first stage of its window where it fits: a later
+    # issue stage p is chosen only if it did not fit at every earlier stage q of the window
+    # (memory at q plus its bytes over the budget).
+    # FIFO: a prefetch needed sooner that does not fit stops the issuing, so the rule is only
+    # imposed at stages where no other swap candidate needed sooner is in its window.
+    for u, v in U.items():
+        for q in v.y:
+            if any(
+                o != u and U[o].y and q in U[o].y and (g.first_need[o], -o) < (g.first_need[u], -u)  # type: ignore[operator]
+                for o in U
+            ):
+                continue
+            later = {col: -(float(budget) + 1.0) / mu for p, col in v.y.items() if p > q}
+            if later:
+                m.row({M[q]: 1.0, **later}, -float(g.act[u]) / mu, np.inf)
     cols = np.array(list(mem.keys()), dtype=np.int64)
     A = np.stack([mem[c] for c in cols]) / mu if len(cols) else np.zeros((0, S))
     dA = np.diff(A, axis=1, prepend=0.0)
@@ -398,6 +423,14 @@ def build(
 # ------------------------------------------------------------------------------------------------
 # Solving
 # ------------------------------------------------------------------------------------------------
+
+
+def _gap(obj: float, bound: float) -> float:
+    """Relative optimality gap |objective - dual bound| / |objective| (0 when they agree)."""
+    if not np.isfinite(bound):
+        return float("inf")
+    diff = abs(obj - bound)
+    return 0.0 if diff <= 1e-12 * max(1.0, abs(obj)) else diff / max(abs(obj), 1e-12)
 
 
 def _solve(m: _Model, time_limit: float, mip_gap: float, threads: int) -> Tuple[Optional[np.ndarray], Dict[str, Any]]:
@@ -453,10 +486,21 @@ def _solve(m: _Model, time_limit: float, mip_gap: float, threads: int) -> Tuple[
         "solve_time": solve_time,
         "objective": float(info.objective_function_value) if has else None,
         "dual_bound": float(info.mip_dual_bound),
-        "gap": float(info.mip_gap) if has else None,
+        "gap": _gap(float(info.objective_function_value), float(info.mip_dual_bound)) if has else None,
         "nodes": int(info.mip_node_count),
     }
     return x, res
+
+
+def _finite(v: Any) -> Any:
+    """JSON-safe: non-finite floats (an unbounded dual bound) become None."""
+    if isinstance(v, float):
+        return v if np.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
 
 
 def milp_plan(
@@ -533,7 +577,15 @@ def milp_plan(
                 "fallback": None,
                 "eval": {"prefetch_lookahead": prefetch_lookahead},
             }
-            return _core.plan_from_actions(profile_text, budget, actions, method, json.dumps(settings), prefetch_lookahead)
+            text = _core.plan_from_actions(profile_text, budget, actions, method, json.dumps(_finite(settings)), prefetch_lookahead)
+            if attempt == 0 or not fallback:
+                return text
+            # A tightened model's plan may be far from the best: compare it with the fallback.
+            alt = _fallback(profile_text, budget, prefetch_lookahead)
+            if alt is not None and alt["predicted"]["step_time"] < out["step_time"]:
+                return _fallback_plan(alt, method, settings, "pso (particles 100, iterations 100): faster than the tightened MILP plan")
+            settings["fallback"] = "none: the tightened MILP plan was faster than pso (particles 100, iterations 100)"
+            return _core.plan_from_actions(profile_text, budget, actions, method, json.dumps(_finite(settings)), prefetch_lookahead)
         limit = max(0, limit - int(out["excess"]) - max(1, budget // 10000))
     reason = attempts[-1]["status"] if attempts[-1].get("objective") is None else "plan over the budget in the evaluator"
     if not fallback:
@@ -542,17 +594,31 @@ def milp_plan(
             "raise the budget or time_limit, or use method='pso'",
             budget,
         )
-    plan = json.loads(_core.make_plan(profile_text, budget, "pso", particles=100, iterations=100, prefetch_lookahead=prefetch_lookahead))
-    plan["method"] = method
-    plan["settings"] = {
+    plan = _fallback(profile_text, budget, prefetch_lookahead, raise_error=True)
+    assert plan is not None
+    settings = {
         "time_limit": time_limit,
         "swap_window": swap_window,
         "solve_time": sum(a["solve_time"] for a in attempts),
         "build_time": build_time,
         "gap": None,
         "attempts": attempts,
-        "fallback": f"pso (particles 100, iterations 100): {reason}",
-        "pso": plan.get("settings"),
         "eval": {"prefetch_lookahead": prefetch_lookahead},
     }
+    return _fallback_plan(plan, method, settings, f"pso (particles 100, iterations 100): {reason}")
+
+
+def _fallback(profile_text: str, budget: int, lookahead: int, raise_error: bool = False) -> Optional[Dict[str, Any]]:
+    """PSO's plan (100 particles x 100 iterations), or None if it finds none and not raise_error."""
+    try:
+        return json.loads(_core.make_plan(profile_text, budget, "pso", particles=100, iterations=100, prefetch_lookahead=lookahead))
+    except _core.BudgetError:
+        if raise_error:
+            raise
+        return None
+
+
+def _fallback_plan(plan: Dict[str, Any], method: str, settings: Dict[str, Any], why: str) -> str:
+    plan["method"] = method
+    plan["settings"] = _finite({**settings, "gap": None, "fallback": why, "pso": plan.get("settings")})
     return json.dumps(plan)
