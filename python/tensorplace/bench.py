@@ -370,6 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     search_args(t, 100, 100)
     t.set_defaults(fn=cmd_timeline)
 
+    __import__("tensorplace.methods.bench", fromlist=["add_cli"]).add_cli(sub)  # methods: docs/methods.md
     a = ap.parse_args(argv)
     return int(a.fn(a))
 

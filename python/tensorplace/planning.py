@@ -181,11 +181,14 @@ def plan_profile(
     prefetch_lookahead: int = 2,
     time_limit: float = 30.0,
     mip_gap: float = 1e-4,
+    seed_heuristics: bool = True,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
-    Methods: "pso" (HOME), "exhaustive" (every plan; up to 14 units), the fixed plans
-    "retain", "swap-all", "recompute-all", and the MILPs "milp" (swap and recompute),
+    Methods: "pso" (HOME; its swarm starts from the heuristics' plans unless
+    `seed_heuristics` is False), "exhaustive" (every plan; up to 14 units), the fixed plans
+    "retain", "swap-all", "recompute-all", the heuristics "capuchin", "superneurons", "vdnn",
+    "vdnn-sync" (synchronous offload) and "tensile", and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
     seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
     smallest budget known to work in `args[1]`) when the budget cannot be met.
@@ -219,6 +222,7 @@ def plan_profile(
         mutation=mutation,
         patience=patience,
         prefetch_lookahead=prefetch_lookahead,
+        seed_heuristics=seed_heuristics,
     )
     return Plan(json.loads(data))
 

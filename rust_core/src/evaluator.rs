@@ -11,11 +11,14 @@ use std::cmp::Ordering;
 pub struct EvalOptions {
     /// A prefetch may be issued up to this many backward stages before the stage that needs it.
     pub prefetch_lookahead: usize,
+    /// vDNN's synchronous offload (method `vdnn-sync`): after a forward stage queues swap-outs,
+    /// the compute stream waits until the copy stream has finished them (charged as swap stall).
+    pub sync_swap_out: bool,
 }
 
 impl Default for EvalOptions {
     fn default() -> Self {
-        EvalOptions { prefetch_lookahead: 2 }
+        EvalOptions { prefetch_lookahead: 2, sync_swap_out: false }
     }
 }
 
@@ -436,6 +439,11 @@ pub fn evaluate(
                 }
                 Action::Swap => sim.issue_swap_out(u),
             }
+        }
+        if opts.sync_swap_out && sim.copy_free > sim.t {
+            // Synchronous offload: wait for the queued swap-outs; they leave at the next stage.
+            sim.stall += sim.copy_free - sim.t;
+            sim.t = sim.copy_free;
         }
         for &u in &g.linger_release_after_fwd[i] {
             sim.mem -= std::mem::take(&mut sim.s.lingering[u]);

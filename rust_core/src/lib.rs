@@ -6,12 +6,14 @@
 //! - [`peak`]: peak analysis and the lower bound of any plan.
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3).
 //! - [`exhaustive`]: every plan of a tiny profile.
+//! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
 
 pub mod action;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
+pub mod methods;
 pub mod peak;
 pub mod plan;
 pub mod planner;

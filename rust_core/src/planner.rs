@@ -9,9 +9,21 @@ use crate::plan::Plan;
 use crate::profile::Profile;
 use crate::pso::{self, PsoSettings, Trace};
 use crate::exhaustive;
+use crate::methods::{heuristic_plan, HEURISTICS};
 use serde_json::json;
 
-pub const METHODS: [&str; 5] = ["pso", "exhaustive", "retain", "swap-all", "recompute-all"];
+pub const METHODS: [&str; 10] = [
+    "pso",
+    "exhaustive",
+    "retain",
+    "swap-all",
+    "recompute-all",
+    "capuchin",
+    "superneurons",
+    "vdnn",
+    "vdnn-sync",
+    "tensile",
+];
 
 #[derive(Debug, Clone, Default)]
 pub struct PlanSettings {
@@ -41,12 +53,30 @@ pub fn make_plan(
     let eval_json = json!({"prefetch_lookahead": settings.eval.prefetch_lookahead});
     let (actions, method_settings, convergence) = match method {
         "pso" => {
-            let s = &settings.pso;
-            let r = pso::search(&g, budget, &settings.eval, s, on_iteration)?;
+            let mut s = settings.pso.clone();
+            let mut seeded: Vec<&str> = Vec::new();
+            if s.seed_heuristics {
+                for h in HEURISTICS {
+                    if let Some(a) = heuristic_plan(h, profile, &g, budget, &settings.eval) {
+                        if !s.seeds.contains(&a) {
+                            s.seeds.push(a);
+                            seeded.push(h);
+                        }
+                    }
+                }
+            }
+            let r = pso::search(&g, budget, &settings.eval, &s, on_iteration)?;
             let js = json!({"particles": s.particles, "iterations": s.iterations, "seed": s.seed,
                             "threads": s.threads, "seed_extremes": s.seed_extremes,
+                            "seed_heuristics": seeded,
                             "mutation": s.mutation, "patience": s.patience, "eval": eval_json});
             (r.actions, js, Some(trace_json(&r.trace)))
+        }
+        h if HEURISTICS.contains(&h) => {
+            let eval = if h == "vdnn-sync" { EvalOptions { sync_swap_out: true, ..settings.eval } } else { settings.eval };
+            let a = heuristic_plan(h, profile, &g, budget, &settings.eval).expect("a heuristic");
+            let js = json!({"eval": {"prefetch_lookahead": eval.prefetch_lookahead, "sync_swap_out": eval.sync_swap_out}});
+            return finish(profile, &g, budget, method, js, a, None, &eval, lb);
         }
         "exhaustive" => {
             let (a, _) = exhaustive::search(&g, budget, &settings.eval)?;

@@ -37,6 +37,11 @@ pub struct PsoSettings {
     pub patience: Option<usize>,
     /// Skip particles at a fixed point of the sweep (exact; off only to test that it is).
     pub skip_fixed_points: bool,
+    /// Plans the first particles start at (an extension: `make_plan` passes the heuristics'
+    /// plans, so the search never ends worse than the best of them). Each has one action per unit.
+    pub seeds: Vec<Vec<Action>>,
+    /// Whether `make_plan` seeds the swarm with the heuristic methods' plans.
+    pub seed_heuristics: bool,
 }
 
 impl Default for PsoSettings {
@@ -50,6 +55,8 @@ impl Default for PsoSettings {
             mutation: 0.0,
             patience: None,
             skip_fixed_points: true,
+            seeds: Vec::new(),
+            seed_heuristics: true,
         }
     }
 }
@@ -166,10 +173,19 @@ pub fn search(
     let m = settings.particles;
     let started = Instant::now();
 
+    if let Some(bad) = settings.seeds.iter().find(|s| s.len() != n) {
+        return Err(CoreError::InvalidSetting(format!(
+            "a seed plan has {} actions for {n} units; give one action per unit",
+            bad.len()
+        )));
+    }
+    let k = settings.seeds.len();
     let mut positions: Vec<Vec<Action>> = (0..m)
         .map(|i| {
-            if settings.seed_extremes && i < 3 {
-                vec![Action::ALL[i]; n]
+            if i < k {
+                settings.seeds[i].clone()
+            } else if settings.seed_extremes && i < k + 3 {
+                vec![Action::ALL[i - k]; n]
             } else {
                 random_plan(n, &mut particle_rng(settings.seed, i, u64::MAX))
             }

@@ -85,7 +85,7 @@ fn evaluate(profile_json: &str, actions: Vec<String>, budget: u64, prefetch_look
     let p = parse_profile(profile_json)?;
     let g = p.graph().map_err(to_py)?;
     let a = parse_actions(actions, g.n)?;
-    let o = run_evaluate(&g, &a, budget, &EvalOptions { prefetch_lookahead }, &mut Scratch::new(g.n), true);
+    let o = run_evaluate(&g, &a, budget, &EvalOptions { prefetch_lookahead, ..Default::default() }, &mut Scratch::new(g.n), true);
     Ok(outcome_json(&o).to_string())
 }
 
@@ -109,14 +109,14 @@ fn unplanned_peak(profile_json: &str) -> PyResult<u64> {
 #[pyo3(signature = (profile_json, prefetch_lookahead=2))]
 fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize) -> PyResult<(u64, Vec<String>)> {
     let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
-    let (b, a) = peak::smallest_known_budget(&g, &EvalOptions { prefetch_lookahead });
+    let (b, a) = peak::smallest_known_budget(&g, &EvalOptions { prefetch_lookahead, ..Default::default() });
     Ok((b, a.iter().map(|x| x.name().to_string()).collect()))
 }
 
 /// Search a plan; returns the plan as JSON text. Releases the GIL while searching.
 #[pyfunction]
 #[pyo3(signature = (profile_json, budget, method="pso", particles=500, iterations=500, seed=0, threads=0,
-                    seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2))]
+                    seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2, seed_heuristics=true))]
 #[allow(clippy::too_many_arguments)]
 fn make_plan(
     py: Python<'_>,
@@ -131,11 +131,23 @@ fn make_plan(
     mutation: f64,
     patience: Option<usize>,
     prefetch_lookahead: usize,
+    seed_heuristics: bool,
 ) -> PyResult<String> {
     let p = parse_profile(profile_json)?;
     let settings = PlanSettings {
-        eval: EvalOptions { prefetch_lookahead },
-        pso: PsoSettings { particles, iterations, seed, threads, seed_extremes, mutation, patience, skip_fixed_points: true },
+        eval: EvalOptions { prefetch_lookahead, ..Default::default() },
+        pso: PsoSettings {
+            particles,
+            iterations,
+            seed,
+            threads,
+            seed_extremes,
+            mutation,
+            patience,
+            skip_fixed_points: true,
+            seeds: Vec::new(),
+            seed_heuristics,
+        },
     };
     let method = method.to_string();
     let plan = py.allow_threads(move || run_make_plan(&p, budget, &method, &settings, |_, _| {}));
@@ -159,7 +171,7 @@ fn validate_plan(plan_json: &str, profile_json: Option<&str>) -> PyResult<String
 #[pyo3(signature = (profile_json, budget, prefetch_lookahead=2))]
 fn check_budget(profile_json: &str, budget: u64, prefetch_lookahead: usize) -> PyResult<u64> {
     let p = parse_profile(profile_json)?;
-    run_check_budget(&p, budget, &EvalOptions { prefetch_lookahead }).map_err(to_py)
+    run_check_budget(&p, budget, &EvalOptions { prefetch_lookahead, ..Default::default() }).map_err(to_py)
 }
 
 /// A plan from actions chosen outside the core (the MILP methods): evaluated and refused like a
@@ -178,7 +190,7 @@ fn plan_from_actions(
     let a = parse_actions(actions, p.units.len())?;
     let settings: serde_json::Value = serde_json::from_str(settings_json)
         .map_err(|e| PlannerError::new_err(format!("settings_json is not JSON: {e}")))?;
-    let plan = run_plan_from_actions(&p, budget, method, settings, a, &EvalOptions { prefetch_lookahead }).map_err(to_py)?;
+    let plan = run_plan_from_actions(&p, budget, method, settings, a, &EvalOptions { prefetch_lookahead, ..Default::default() }).map_err(to_py)?;
     Ok(plan.to_json())
 }
 
