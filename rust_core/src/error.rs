@@ -37,6 +37,14 @@ impl fmt::Display for CoreError {
                 mib(*lower_bound),
                 mib(*smallest_known)
             ),
+            CoreError::NoFeasiblePlan { budget, smallest_known, lower_bound } if smallest_known <= budget => write!(
+                f,
+                "this method found no plan within the budget of {budget} bytes ({}), but a simple plan \
+                 (all swap or all recompute) meets {smallest_known} bytes ({}) (lower bound {lower_bound} bytes): \
+                 use method=\"pso\", which searches every plan, or raise the budget",
+                mib(*budget),
+                mib(*smallest_known)
+            ),
             CoreError::NoFeasiblePlan { budget, smallest_known, lower_bound } => write!(
                 f,
                 "no plan found within the budget of {budget} bytes ({}); the smallest budget a known plan \
