@@ -182,11 +182,13 @@ def plan_profile(
     time_limit: float = 30.0,
     mip_gap: float = 1e-4,
     seed_heuristics: bool = True,
+    seed_plans: Optional[Sequence[Sequence[str]]] = None,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
     Methods: "pso" (HOME; its swarm starts from the heuristics' plans unless
-    `seed_heuristics` is False), "exhaustive" (every plan; up to 14 units), the fixed plans
+    `seed_heuristics` is False, and from `seed_plans`, lists of actions such as another
+    method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), the fixed plans
     "retain", "swap-all", "recompute-all", the heuristics "capuchin", "superneurons", "vdnn",
     "vdnn-sync" (synchronous offload) and "tensile", and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
@@ -223,6 +225,7 @@ def plan_profile(
         patience=patience,
         prefetch_lookahead=prefetch_lookahead,
         seed_heuristics=seed_heuristics,
+        seed_plans=[list(a) for a in seed_plans] if seed_plans else None,
     )
     return Plan(json.loads(data))
 

@@ -68,7 +68,7 @@ pub fn make_plan(
             let r = pso::search(&g, budget, &settings.eval, &s, on_iteration)?;
             let js = json!({"particles": s.particles, "iterations": s.iterations, "seed": s.seed,
                             "threads": s.threads, "seed_extremes": s.seed_extremes,
-                            "seed_heuristics": seeded,
+                            "seed_heuristics": seeded, "polish": s.polish,
                             "mutation": s.mutation, "patience": s.patience, "eval": eval_json});
             (r.actions, js, Some(trace_json(&r.trace)))
         }

@@ -42,6 +42,11 @@ pub struct PsoSettings {
     pub seeds: Vec<Vec<Action>>,
     /// Whether `make_plan` seeds the swarm with the heuristic methods' plans.
     pub seed_heuristics: bool,
+    /// After the swarm, polish the best plan by local search: try every other action of every
+    /// unit, then of every pair of units (one of them not retained), keep each change that
+    /// improves the score, repeat until none does (an extension; it only ever improves the
+    /// result, and is deterministic).
+    pub polish: bool,
 }
 
 impl Default for PsoSettings {
@@ -57,6 +62,7 @@ impl Default for PsoSettings {
             skip_fixed_points: true,
             seeds: Vec::new(),
             seed_heuristics: true,
+            polish: true,
         }
     }
 }
@@ -275,6 +281,71 @@ pub fn search(
         if let Some(p) = settings.patience {
             if since_improved >= p {
                 break;
+            }
+        }
+    }
+    if settings.polish {
+        let mut scratch = Scratch::new(n);
+        let (mut best, mut best_score) = gbest;
+        loop {
+            let mut improved = false;
+            for j in 0..n {
+                let orig = best[j];
+                for a in Action::ALL {
+                    if a == orig || a == best[j] {
+                        continue;
+                    }
+                    let keep = best[j];
+                    best[j] = a;
+                    let s = score(g, &best, budget, opts, &mut scratch);
+                    evaluations += 1;
+                    if s.better_than(&best_score) {
+                        best_score = s;
+                        improved = true;
+                    } else {
+                        best[j] = keep;
+                    }
+                }
+            }
+            if improved {
+                continue;
+            }
+            // Pairs: change two units at once, keeping every improvement as the scan goes (one
+            // of the two is not retained: two retained units changing is two single changes).
+            for i in 0..n {
+                for j in (i + 1)..n {
+                    if best[i] == Action::Retain && best[j] == Action::Retain {
+                        continue;
+                    }
+                    let (oi, oj) = (best[i], best[j]);
+                    'combos: for ai in Action::ALL {
+                        for aj in Action::ALL {
+                            if ai == oi || aj == oj {
+                                continue;
+                            }
+                            best[i] = ai;
+                            best[j] = aj;
+                            let s = score(g, &best, budget, opts, &mut scratch);
+                            evaluations += 1;
+                            if s.better_than(&best_score) {
+                                best_score = s;
+                                improved = true;
+                                break 'combos;
+                            }
+                            best[i] = oi;
+                            best[j] = oj;
+                        }
+                    }
+                }
+            }
+            if !improved {
+                break;
+            }
+        }
+        gbest = (best, best_score);
+        if let Some(last) = trace.best.last_mut() {
+            if gbest.1.feasible {
+                *last = Some(gbest.1.time);
             }
         }
     }

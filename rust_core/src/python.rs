@@ -116,7 +116,8 @@ fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize) -> PyRes
 /// Search a plan; returns the plan as JSON text. Releases the GIL while searching.
 #[pyfunction]
 #[pyo3(signature = (profile_json, budget, method="pso", particles=500, iterations=500, seed=0, threads=0,
-                    seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2, seed_heuristics=true))]
+                    seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2, seed_heuristics=true,
+                    seed_plans=None))]
 #[allow(clippy::too_many_arguments)]
 fn make_plan(
     py: Python<'_>,
@@ -132,8 +133,14 @@ fn make_plan(
     patience: Option<usize>,
     prefetch_lookahead: usize,
     seed_heuristics: bool,
+    seed_plans: Option<Vec<Vec<String>>>,
 ) -> PyResult<String> {
     let p = parse_profile(profile_json)?;
+    let seeds = seed_plans
+        .unwrap_or_default()
+        .into_iter()
+        .map(|a| parse_actions(a, p.units.len()))
+        .collect::<PyResult<Vec<_>>>()?;
     let settings = PlanSettings {
         eval: EvalOptions { prefetch_lookahead, ..Default::default() },
         pso: PsoSettings {
@@ -145,8 +152,9 @@ fn make_plan(
             mutation,
             patience,
             skip_fixed_points: true,
-            seeds: Vec::new(),
+            seeds,
             seed_heuristics,
+            polish: true,
         },
     };
     let method = method.to_string();
