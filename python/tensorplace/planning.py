@@ -71,6 +71,11 @@ class Plan:
         return [dict(p) for p in self._data["prefetch"]]
 
     @property
+    def segment_starts(self) -> List[int]:
+        """Units that start a checkpoint segment (docs/cost-model.md)."""
+        return list(self._data.get("segment_starts", []))
+
+    @property
     def predicted(self) -> Dict[str, Any]:
         return dict(self._data["predicted"])
 
@@ -189,7 +194,8 @@ def plan_profile(
     Methods: "pso" (HOME; its swarm starts from the heuristics' plans unless
     `seed_heuristics` is False, and from `seed_plans`, lists of actions such as another
     method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), the fixed plans
-    "retain", "swap-all", "recompute-all", the heuristics "capuchin", "superneurons", "vdnn",
+    "retain", "swap-all", "recompute-all", the recipes "checkpoint-blocks" and "sqrt", the
+    heuristics "capuchin", "superneurons", "vdnn",
     "vdnn-sync" (synchronous offload) and "tensile", and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
     seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
@@ -230,9 +236,21 @@ def plan_profile(
     return Plan(json.loads(data))
 
 
-def evaluate(profile: ProfileLike, actions: Sequence[str], budget: Budget, prefetch_lookahead: int = 2) -> Dict[str, Any]:
-    """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve."""
-    return json.loads(_core.evaluate(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead))
+def evaluate(
+    profile: ProfileLike,
+    actions: Sequence[str],
+    budget: Budget,
+    prefetch_lookahead: int = 2,
+    segment_starts: Optional[Sequence[int]] = None,
+) -> Dict[str, Any]:
+    """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve.
+
+    `segment_starts`: units before which a run of recomputed units is split into checkpoint
+    segments (default: the starts of the profile's repeated blocks; the result says which)."""
+    starts = None if segment_starts is None else [int(u) for u in segment_starts]
+    return json.loads(
+        _core.evaluate(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts)
+    )
 
 
 def lower_bound(profile: ProfileLike) -> int:

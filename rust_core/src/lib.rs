@@ -7,6 +7,7 @@
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3).
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
+//! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
 
 pub mod action;
@@ -19,6 +20,7 @@ pub mod plan;
 pub mod planner;
 pub mod profile;
 pub mod pso;
+pub mod recipes;
 pub mod versioned;
 
 #[cfg(feature = "python")]
@@ -26,6 +28,6 @@ mod python;
 
 pub use action::Action;
 pub use error::{CoreError, Result};
-pub use evaluator::{evaluate, EvalOptions, Outcome, Score, Scratch, Stage};
+pub use evaluator::{evaluate, evaluate_segments, EvalOptions, Outcome, Score, Scratch, Stage};
 pub use plan::Plan;
 pub use profile::{Graph, Profile};

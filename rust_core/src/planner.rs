@@ -3,21 +3,24 @@
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
-use crate::evaluator::{evaluate, EvalOptions, Scratch};
+use crate::evaluator::{evaluate_segments, EvalOptions, Scratch};
 use crate::peak::{lower_bound, smallest_known_budget};
 use crate::plan::Plan;
 use crate::profile::Profile;
 use crate::pso::{self, PsoSettings, Trace};
+use crate::recipes;
 use crate::exhaustive;
 use crate::methods::{heuristic_plan, HEURISTICS};
 use serde_json::json;
 
-pub const METHODS: [&str; 10] = [
+pub const METHODS: [&str; 12] = [
     "pso",
     "exhaustive",
     "retain",
     "swap-all",
     "recompute-all",
+    "checkpoint-blocks",
+    "sqrt",
     "capuchin",
     "superneurons",
     "vdnn",
@@ -51,6 +54,7 @@ pub fn make_plan(
         return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
     }
     let eval_json = json!({"prefetch_lookahead": settings.eval.prefetch_lookahead});
+    let mut starts = g.block_start.clone();
     let (actions, method_settings, convergence) = match method {
         "pso" => {
             let mut s = settings.pso.clone();
@@ -65,6 +69,10 @@ pub fn make_plan(
                     }
                 }
             }
+            if s.seed_extremes {
+                // Start from per-block checkpoint too, so the search is never worse than it.
+                s.seeds.extend(recipes::checkpoint_blocks(profile));
+            }
             let r = pso::search(&g, budget, &settings.eval, &s, on_iteration)?;
             let js = json!({"particles": s.particles, "iterations": s.iterations, "seed": s.seed,
                             "threads": s.threads, "seed_extremes": s.seed_extremes,
@@ -76,10 +84,25 @@ pub fn make_plan(
             let eval = if h == "vdnn-sync" { EvalOptions { sync_swap_out: true, ..settings.eval } } else { settings.eval };
             let a = heuristic_plan(h, profile, &g, budget, &settings.eval).expect("a heuristic");
             let js = json!({"eval": {"prefetch_lookahead": eval.prefetch_lookahead, "sync_swap_out": eval.sync_swap_out}});
-            return finish(profile, &g, budget, method, js, a, None, &eval, lb);
+            return finish(profile, &g, budget, method, js, a, &starts, None, &eval, lb);
         }
         "exhaustive" => {
             let (a, _) = exhaustive::search(&g, budget, &settings.eval)?;
+            (a, json!({"eval": eval_json}), None)
+        }
+        "checkpoint-blocks" => {
+            let a = recipes::checkpoint_blocks(profile).ok_or_else(|| {
+                CoreError::InvalidSetting(
+                    "checkpoint-blocks found no repeated blocks in the unit names (modules of the same \
+                     structure, such as layer1.0 and layer1.1); use method \"sqrt\" or \"pso\""
+                        .into(),
+                )
+            })?;
+            (a, json!({"eval": eval_json, "blocks": recipes::repeated_blocks(profile)}), None)
+        }
+        "sqrt" => {
+            let (a, s) = recipes::sqrt_segments(g.n);
+            starts = s;
             (a, json!({"eval": eval_json}), None)
         }
         "retain" | "swap-all" | "recompute-all" => {
@@ -97,7 +120,7 @@ pub fn make_plan(
             )))
         }
     };
-    finish(profile, &g, budget, method, method_settings, actions, convergence, &settings.eval, lb)
+    finish(profile, &g, budget, method, method_settings, actions, &starts, convergence, &settings.eval, lb)
 }
 
 /// The budget check every method starts with: refuse a budget below the lower bound, naming the
@@ -131,7 +154,8 @@ pub fn plan_from_actions(
             g.n
         )));
     }
-    finish(profile, &g, budget, method, method_settings, actions, None, eval, lb)
+    let starts = g.block_start.clone();
+    finish(profile, &g, budget, method, method_settings, actions, &starts, None, eval, lb)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -142,16 +166,18 @@ fn finish(
     method: &str,
     method_settings: serde_json::Value,
     actions: Vec<Action>,
+    starts: &[bool],
     convergence: Option<serde_json::Value>,
     eval: &EvalOptions,
     lb: u64,
 ) -> Result<Plan> {
-    let outcome = evaluate(g, &actions, budget, eval, &mut Scratch::new(g.n), true);
+    let outcome = evaluate_segments(g, &actions, starts, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
         let (smallest, _) = smallest_known_budget(g, eval);
         return Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest.max(lb), lower_bound: lb });
     }
     let mut plan = Plan::new(profile, budget, method, method_settings, actions, &outcome);
+    plan.segment_starts = (0..g.n).filter(|&u| starts[u]).collect();
     plan.convergence = convergence;
     Ok(plan)
 }

@@ -37,8 +37,9 @@ pub struct PsoSettings {
     pub patience: Option<usize>,
     /// Skip particles at a fixed point of the sweep (exact; off only to test that it is).
     pub skip_fixed_points: bool,
-    /// Plans the first particles start at (an extension: `make_plan` passes the heuristics'
-    /// plans, so the search never ends worse than the best of them). Each has one action per unit.
+    /// Plans to start particles at (after the extremes), such as the checkpointing recipes and
+    /// the heuristics' plans, so the search is never worse than they are. Each must have one
+    /// action per unit.
     pub seeds: Vec<Vec<Action>>,
     /// Whether `make_plan` seeds the swarm with the heuristic methods' plans.
     pub seed_heuristics: bool,
@@ -181,17 +182,17 @@ pub fn search(
 
     if let Some(bad) = settings.seeds.iter().find(|s| s.len() != n) {
         return Err(CoreError::InvalidSetting(format!(
-            "a seed plan has {} actions for {n} units; give one action per unit",
+            "a seed plan has {} actions but the profile has {n} units",
             bad.len()
         )));
     }
-    let k = settings.seeds.len();
+    let extremes = if settings.seed_extremes { 3 } else { 0 };
     let mut positions: Vec<Vec<Action>> = (0..m)
         .map(|i| {
-            if i < k {
-                settings.seeds[i].clone()
-            } else if settings.seed_extremes && i < k + 3 {
-                vec![Action::ALL[i - k]; n]
+            if i < extremes {
+                vec![Action::ALL[i]; n]
+            } else if i < extremes + settings.seeds.len() {
+                settings.seeds[i - extremes].clone()
             } else {
                 random_plan(n, &mut particle_rng(settings.seed, i, u64::MAX))
             }
