@@ -70,6 +70,7 @@ from .units import (
     ValueRec,
     ViewMeta,
     discover_units,
+    is_replaying,
     model_input_position,
     replaying,
 )
@@ -134,7 +135,10 @@ class StepStats:
     replays: int = 0  #: unit replays
     replay_s: float = 0.0  #: time spent replaying
     fetch_s: float = 0.0  #: time spent in fetches (waiting for late copies included)
-    deadline_wait_s: float = 0.0  #: time spent waiting for swap-outs the plan says are done
+    #: host time spent at swap deadlines (the swap-outs the plan says are done before a stage):
+    #: the whole wait on CPU, only the calls that queue a device-side wait on CUDA
+    deadline_wait_s: float = 0.0
+    deadline_waits: int = 0  #: swap-outs waited for at their deadline
     prefetches: int = 0  #: prefetches issued by the schedule
     prefetch_stages: List[int] = field(default_factory=list)  #: backward stages that issued, in order
     unscheduled_fetches: int = 0  #: swapped storages fetched without a scheduled prefetch
@@ -235,13 +239,16 @@ def default_backend(device: torch.device) -> Any:
 class _Entry:
     """One swapped storage version."""
 
-    __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value")
+    __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
+                 "ref", "version")
 
-    def __init__(self, state: "_StepState", unit: int, value: ValueRec, t: torch.Tensor) -> None:
+    def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
         self.state = state
         self.unit = unit
-        self.value = value
+        self.value = value  #: the ValueRec (full path) or the pack index (lean path) it is keyed by
         st = t.untyped_storage()
+        self.ref = StorageWeakRef(st)  #: which storage, to check that a later pack is the same one
+        self.version = t._version
         self.nbytes = st.nbytes()
         self.device = t.device
         byte_view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
@@ -677,6 +684,8 @@ class _StepState:
         self.dead = False
         self.backward_running = False
         self._warned = False
+        #: a failed step also removes the executor's unit hooks (the next step re-learns)
+        self.on_abort = ex._uninstall
 
     def drop(self, unit: int, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -708,6 +717,7 @@ class _StepState:
             return
         self.dead = True
         self.stats.aborted = True
+        self.on_abort()
         for e in list(self.entries.values()):
             e.free()
         for lst in self.by_unit.values():
@@ -762,7 +772,9 @@ class _StepState:
         units = self.swap_deadlines.get(label)
         if not units:
             return
-        wait = getattr(self.backend, "wait_offload", None)
+        # release_offload: the compute stream waits for the copy and the source is dropped (CUDA:
+        # a device-side wait, the host does not block; CPU: no streams, the host waits)
+        wait = getattr(self.backend, "release_offload", None) or getattr(self.backend, "wait_offload", None)
         if wait is None:
             return
         t0 = time.perf_counter()
@@ -770,6 +782,7 @@ class _StepState:
             for e in self.by_unit.get(u, ()):
                 if e.host is not None and e.fetched is None and not e.prefetched:
                     wait(e.host)
+                    self.stats.deadline_waits += 1
         self.stats.deadline_wait_s += time.perf_counter() - t0
 
     def issue_prefetches(self, stage: int) -> None:
@@ -784,12 +797,71 @@ class _StepState:
                 e.prefetch()
 
 
-class _PlanTracker(UnitTracker):
-    """The UnitTracker with the plan's policy at every pack."""
+class _Table:
+    """What the executor's first (full) step found, by call and pack order: the lean steps' map.
 
-    def __init__(self, ex: "Executor", state: _StepState) -> None:
+    ``modules[c]``: the unit module of the c-th unit-module call of the forward (nested calls
+    included), ``call_unit[c]``: the unit it starts, or -1 for a call inside another unit.
+    ``pack_start[u]``: packs made before unit u started. Per pack k of the step: ``acts[k]``
+    (0 retain, 1 swap), ``first[k]`` (the first pack of the same storage version: a swap copies a
+    storage once, however many views or units save it) and ``owner[k]``."""
+
+    def __init__(self) -> None:
+        self.modules: List[nn.Module] = []
+        self.call_unit: List[int] = []
+        self.pack_start: List[int] = []
+        self.acts: List[int] = []
+        self.first: List[int] = []
+        self.owner: List[int] = []
+        self.names: List[str] = []
+        self._entry_first: Dict[int, int] = {}
+
+    def finish(self, names: List[str]) -> "_Table":
+        self.names = list(names)
+        self._entry_first = {}
+        return self
+
+    @property
+    def swaps(self) -> int:
+        return sum(self.acts)
+
+
+class _PlanTracker(UnitTracker):
+    """The UnitTracker with the plan's policy at every pack. ``learn``: a :class:`_Table` to
+    fill with what the step does (for plans the lean path runs)."""
+
+    def __init__(self, ex: "Executor", state: _StepState, learn: Optional[_Table] = None) -> None:
         super().__init__(ex.model, keep_replay_info=True, unit_modules=ex.unit_modules)
         self.state = state
+        self.learn = learn
+
+    def _pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        learn = self.learn
+        if learn is None or not self._active or is_replaying():
+            return super()._pre_hook(module, args, kwargs)
+        n = len(self.segments)
+        super()._pre_hook(module, args, kwargs)
+        new = len(self.segments) > n
+        learn.modules.append(module)
+        learn.call_unit.append(n if new else -1)
+        if new:
+            learn.pack_start.append(len(learn.acts))
+
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        learn = self.learn
+        if learn is None or not self._active or self._busy > 0 or is_replaying():
+            return super()._pack_hook(t)
+        out = super()._pack_hook(t)
+        k = len(learn.acts)
+        if isinstance(out, _SwapHandle):
+            learn.acts.append(1)
+            learn.first.append(learn._entry_first.setdefault(id(out.entry), k))
+            learn.owner.append(out.entry.unit)
+        else:
+            learn.acts.append(0)
+            learn.first.append(k)
+            learn.owner.append(-1)
+        return out
 
     # units --------------------------------------------------------------------------
 
@@ -945,6 +1017,140 @@ class _PlanTracker(UnitTracker):
 
 
 # ------------------------------------------------------------------------------------------
+# The lean path: steady steps of plans without recomputed units
+# ------------------------------------------------------------------------------------------
+
+
+def _unpack_handle(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Handle):
+        try:
+            packed.state.enter_backward()
+            return packed.unpack()
+        except BaseException:
+            packed.state.abort()
+            raise
+    return packed
+
+
+class _LeanStep:
+    """One steady step on the lean path: counters, the step's state and the table."""
+
+    __slots__ = ("ex", "state", "t", "calls", "packs", "check_packs", "work")
+
+    def __init__(self, ex: "Executor", state: _StepState, table: _Table, work: List[bool]) -> None:
+        self.ex = ex
+        self.state = state
+        self.t = table
+        self.calls = 0
+        self.packs = 0
+        self.check_packs = bool(table.swaps)  # pack hooks are on
+        self.work = work  #: per unit: boundary work to do at its start
+
+    # the forward pre-hook of every unit module (installed once, see Executor._install)
+    def unit_start(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        c = self.calls
+        t = self.t
+        if c >= len(t.modules) or t.modules[c] is not module:
+            raise self._call_mismatch(c, module)
+        self.calls = c + 1
+        u = t.call_unit[c]
+        if u < 0:
+            return
+        if self.check_packs and self.packs != t.pack_start[u]:
+            raise PlanMismatchError(
+                f"{self.packs} tensors were saved before unit {u} ({t.names[u]}) started, "
+                f"{t.pack_start[u]} in the executor's first step (data-dependent control flow?)"
+            )
+        if self.work[u]:
+            self.boundary(u, args)
+
+    def boundary(self, u: int, args: Tuple[Any, ...]) -> None:
+        st = self.state
+        if st.by_unit:
+            st.stage_boundary(f"fwd:{u}")
+        s = u - 1
+        if s in st.prefetch_at:
+            # backward stage s starts when the gradients of unit u's inputs arrive
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
+                    a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
+
+    def _call_mismatch(self, c: int, module: nn.Module) -> PlanMismatchError:
+        t = self.t
+        got = self.ex.unit_modules.get(module, type(module).__name__)
+        want = self.ex.unit_modules.get(t.modules[c], "?") if c < len(t.modules) else "no further unit"
+        return PlanMismatchError(
+            f"unit-module call {c} of this forward is {got!r}; in the executor's first step it was "
+            f"{want!r} (data-dependent control flow or a different model)"
+        )
+
+    # the saved-tensor pack hook (only when the plan swaps something)
+    def pack(self, t: torch.Tensor) -> Any:
+        k = self.packs
+        self.packs = k + 1
+        tb = self.t
+        if k >= len(tb.acts):
+            raise PlanMismatchError(
+                f"this forward saved more tensors than the executor's first step ({len(tb.acts)})"
+            )
+        if tb.acts[k] == 0:
+            return t
+        return self._swap(k, t)
+
+    def _swap(self, k: int, t: torch.Tensor) -> Any:
+        st = self.state
+        tb = self.t
+        first = tb.first[k]
+        owner = tb.owner[k]
+        if first == k:
+            entry = _Entry(st, owner, k, t)
+            st.entries[k] = entry
+            st.by_unit[owner].append(entry)
+            st.stats.swap_storages += 1
+            st.stats.swap_bytes += entry.nbytes
+        else:
+            entry = st.entries.get(first)  # type: ignore[assignment]
+            if (entry is None or entry.host is None or entry.ref.expired() or entry.version != t._version
+                    or entry.ref.cdata != StorageWeakRef(t.untyped_storage()).cdata):
+                raise PlanMismatchError(
+                    f"saved tensor {k} of this forward is not the storage version saved as tensor {first}, "
+                    "as it was in the executor's first step (data-dependent control flow?)"
+                )
+        digest = what = None
+        if st.verify:
+            digest = checksum(t)
+            what = f"swap of a saved tensor of unit {owner} ({tb.names[owner]})"
+        return _SwapHandle(st, entry, ViewMeta.of(t), t.device, digest, what or "")
+
+    def finish(self, out: Any) -> None:
+        tb = self.t
+        if self.calls != len(tb.modules):
+            raise PlanMismatchError(
+                f"the model ran {self.calls} unit-module calls, {len(tb.modules)} in the executor's first step"
+            )
+        if self.check_packs and self.packs != len(tb.acts):
+            raise PlanMismatchError(
+                f"the forward saved {self.packs} tensors, {len(tb.acts)} in the executor's first step"
+            )
+        st = self.state
+        st.stats.units = len(tb.pack_start)
+        if self.check_packs:
+            last = len(tb.pack_start) - 1
+            prefetch_last = last in st.prefetch_at
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                    if prefetch_last:
+                        leaf.register_hook(st.guarded(lambda grad: st.issue_prefetches(last)))
+                    leaf.register_hook(st.guarded(lambda grad: st.enter_backward()))
+
+
+def _remove_hooks(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+# ------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------
 
@@ -982,6 +1188,13 @@ class Executor:
         self._backend = backend
         self.last_stats: Optional[StepStats] = None
         self._states: "weakref.WeakSet[_StepState]" = weakref.WeakSet()
+        #: plans without recomputed units run the lean path after the first step
+        self.lean = "recompute" not in self.actions
+        self._table: Optional[_Table] = None
+        self._work: List[bool] = []
+        self._cell: List[Optional[_LeanStep]] = [None]  # the armed step, read by the unit hooks
+        self._hooks: List[Any] = []
+        self._hooks_finalizer: Optional[weakref.finalize] = None
 
     @property
     def backend(self) -> Any:
@@ -995,10 +1208,13 @@ class Executor:
         if "swap" in self.actions:
             _ = self.backend
         self.abort_interrupted()
+        if self._table is not None:
+            return self._lean_forward(args, kwargs)
         state = _StepState(self)
         self._states.add(state)
         self.last_stats = state.stats
-        tracker = _PlanTracker(self, state)
+        learn = _Table() if self.lean else None
+        tracker = _PlanTracker(self, state, learn)
         try:
             with tracker:
                 out = self.model(*args, **kwargs)
@@ -1019,6 +1235,73 @@ class Executor:
         except BaseException:
             state.abort()
             raise
+        if learn is not None:
+            self._arm_lean(learn.finish(state.names))
+        return out
+
+    # ------------------------------------------------------------------ the lean path
+
+    def _arm_lean(self, table: _Table) -> None:
+        """After a full step of a plan without recomputed units: keep its table, precompute the
+        boundary work per unit and install the unit hooks (once; removed by close() or a failed
+        step)."""
+        n = len(table.pack_start)
+        fwd_deadline = {int(label[4:]) for label in self.swap_deadlines if label.startswith("fwd:")}
+        first_swap = n
+        for k, a in enumerate(table.acts):
+            if a:
+                first_swap = max(u for u in range(n) if table.pack_start[u] <= k)
+                break
+        self._work = [u in fwd_deadline or (u - 1) in self.prefetch_at or u > first_swap for u in range(n)]
+        self._table = table
+        self._install()
+
+    def _install(self) -> None:
+        if self._hooks:
+            return
+        cell = self._cell
+
+        def unit_pre_hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
+            step = cell[0]
+            if step is not None:
+                step.unit_start(module, args)
+
+        for module in self.unit_modules:
+            self._hooks.append(module.register_forward_pre_hook(unit_pre_hook))
+        # the hooks hold no reference to the executor; if it is dropped without close(), they go
+        self._hooks_finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
+
+    def _uninstall(self) -> None:
+        self._cell[0] = None
+        self._table = None
+        if self._hooks_finalizer is not None:
+            self._hooks_finalizer.detach()
+            self._hooks_finalizer = None
+        _remove_hooks(self._hooks)
+
+    def _lean_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        table = self._table
+        assert table is not None
+        state = _StepState(self)
+        state.names = table.names
+        self.last_stats = state.stats
+        step = _LeanStep(self, state, table, self._work)
+        if step.check_packs:
+            self._states.add(state)
+        self._cell[0] = step
+        try:
+            if step.check_packs:
+                with torch.autograd.graph.saved_tensors_hooks(step.pack, _unpack_handle):
+                    out = self.model(*args, **kwargs)
+            else:
+                out = self.model(*args, **kwargs)
+            self._cell[0] = None
+            step.finish(out)
+        except BaseException:
+            # a failed step leaves nothing behind; the next one starts with a full step
+            state.abort()
+            self._uninstall()
+            raise
         return out
 
     def abort_interrupted(self) -> int:
@@ -1036,7 +1319,8 @@ class Executor:
         return n
 
     def close(self) -> None:
-        """Close the backend if this executor created it."""
+        """Remove the executor's hooks from the model; close the backend if this executor created it."""
+        self._uninstall()
         if self._own_backend and self._backend is not None:
             self._backend.close()
             self._backend = None
