@@ -7,7 +7,9 @@ sum loss, backward, grads set to None) is timed in three modes, interleaved in o
 * ``unplanned``: the model itself;
 * ``retain``: ``PlannedModule`` with the all-retain plan;
 * ``swap1``: ``PlannedModule`` with one swapped unit near the end (the last LayerNorm: its mean,
-  rstd and output are swapped to the CPU backend's host tier), the rest retained.
+  rstd and output are swapped to the CPU backend's host tier), the rest retained;
+* ``recompute1``: the same unit recomputed instead (``--recompute``; a plan with a recomputed
+  unit runs the executor's full step every step).
 
 It prints the median step time of each mode and the overhead per unit over ``unplanned`` in
 microseconds. Run: ``nice python benches/executor_overhead.py [--steps 60] [--width 32]``.
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--recompute", action="store_true", help="also time the recompute1 mode")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -64,6 +67,10 @@ def main() -> None:
         "retain": PlannedModule(model, ["retain"] * n, backend=backend),
         "swap1": PlannedModule(model, swap1, backend=backend),
     }
+    if a.recompute:
+        rec1 = ["retain"] * n
+        rec1[n - 3] = "recompute"
+        modes["recompute1"] = PlannedModule(model, rec1, backend=backend)
     times = {k: [] for k in modes}
     for k, m in modes.items():  # warm-up (and the executor's first step)
         for _ in range(3):

@@ -42,6 +42,44 @@ How a step runs (docs/cost-model.md is the contract):
   tensor at pack time and checks it at unpack (verify.py).
 * An exception (or KeyboardInterrupt) in the forward, or in one of the executor's backward hooks,
   aborts the step: all hooks are gone, every host buffer is released, the next step starts clean.
+
+The lean path (issue 6: the executor was host-bound, ~430-550 us per unit on this CPU)
+------------------------------------------------------------------------------------------
+The step above (the *full* step) runs the whole ownership analysis: module hooks registered per
+step, a TorchFunctionMode on every torch call, storage/version bookkeeping at every pack. For a
+plan without recomputed units only the owner's action of each saved tensor matters, and that
+is a function of the step's order. So:
+
+* **Learn once.** The executor's first step is a full step that also records a table
+  (:class:`_Table`): the sequence of unit-module calls and, per pack of the step in order, the
+  action of its owner (retain / swap) and the first pack of the same storage version (a storage
+  saved several times, or through views, is copied once).
+* **Install once, arm per step.** After that step one forward pre-hook per unit module is
+  installed (it holds no reference to the executor; ``close()``, a failed step, or the executor's
+  garbage collection remove it). A steady step arms a small frame (:class:`_LeanStep`); outside a
+  step the hooks return at once. There is no TorchFunctionMode (no Python per torch op), and
+  an all-retain plan installs no saved-tensor hooks at all.
+* **Per pack** (swap plans only): a counter, a table lookup, ``return tensor`` if the owner
+  retains; for a swap one ``backend.offload`` (one copy and one completion event per storage)
+  and a handle; a later pack of the same storage is checked to be that storage version (weak
+  storage reference and version counter) and shares the copy.
+* **Checks that turn a different order into an error, never into wrong tensors.** Each unit
+  start checks the module against the table and the number of packs made so far; the end of the
+  forward checks both totals; dedupe is checked by identity. A mismatch raises
+  :class:`PlanMismatchError`, aborts the step, removes the hooks; the next step learns again.
+  A different batch size is fine (views are rebuilt from each step's own metadata).
+* **Stage boundaries** do work only where the plan needs it (a swap-out may have completed, a
+  swap deadline, a prefetch stage's gradient hook on the unit's inputs).
+* **Swap deadlines** call ``backend.release_offload``: on CUDA the compute stream waits for the
+  copy's event (``cudaStreamWaitEvent``) and the source is dropped, the host does not block; the
+  CPU backend (no streams) waits on the host, counted in ``StepStats.deadline_wait_s`` /
+  ``deadline_waits``. The full step uses the same call.
+
+Plans with recomputed units still run the full step every step: a replay needs the recorded
+glue calls and the identity of each input value (retained, swapped or replayed producer), which
+the full tracker provides. Scoping the TorchFunctionMode and the value registry to recompute
+segments (with the first step's table resolving inputs by order) is the next step; until then
+such plans pay the full per-unit overhead on the host.
 """
 
 from __future__ import annotations
@@ -819,7 +857,20 @@ class _Table:
     def finish(self, names: List[str]) -> "_Table":
         self.names = list(names)
         self._entry_first = {}
+        n = len(self.pack_start)
+        #: per unit: its segment makes a swapped pack (the pack hooks are on only there)
+        self.armed = [False] * n
+        u = 0
+        for k, a in enumerate(self.acts):
+            while u + 1 < n and self.pack_start[u + 1] <= k:
+                u += 1
+            if a and n:
+                self.armed[u] = True
         return self
+
+    def seg_end(self, u: int) -> int:
+        """Packs made before the end of unit u's segment."""
+        return self.pack_start[u + 1] if u + 1 < len(self.pack_start) else len(self.acts)
 
     @property
     def swaps(self) -> int:
@@ -971,8 +1022,9 @@ class _PlanTracker(UnitTracker):
         if act == "retain":
             return tensor
         val = info.value
-        what = f"{act} of a saved tensor of unit {owner} ({st.names[owner] if owner < len(st.names) else owner})"
         digest = checksum(tensor) if st.verify else None
+        what = (f"{act} of a saved tensor of unit {owner} ({st.names[owner] if owner < len(st.names) else owner})"
+                if st.verify else "")  # the message of a failed check only
         if act == "swap":
             entry = st.entries.get(val)
             if entry is None or entry.host is None:
@@ -1035,15 +1087,17 @@ def _unpack_handle(packed: Any) -> torch.Tensor:
 class _LeanStep:
     """One steady step on the lean path: counters, the step's state and the table."""
 
-    __slots__ = ("ex", "state", "t", "calls", "packs", "check_packs", "work")
+    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work")
 
     def __init__(self, ex: "Executor", state: _StepState, table: _Table, work: List[bool]) -> None:
         self.ex = ex
         self.state = state
         self.t = table
         self.calls = 0
-        self.packs = 0
-        self.check_packs = bool(table.swaps)  # pack hooks are on
+        self.packs = 0  #: index of the next pack of the step (counted in armed segments)
+        self.limit = 0  #: packs made before the end of the armed segment
+        self.armed = False  #: the saved-tensor hooks are on (a segment with a swapped pack)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
         self.work = work  #: per unit: boundary work to do at its start
 
     # the forward pre-hook of every unit module (installed once, see Executor._install)
@@ -1056,13 +1110,28 @@ class _LeanStep:
         u = t.call_unit[c]
         if u < 0:
             return
-        if self.check_packs and self.packs != t.pack_start[u]:
-            raise PlanMismatchError(
-                f"{self.packs} tensors were saved before unit {u} ({t.names[u]}) started, "
-                f"{t.pack_start[u]} in the executor's first step (data-dependent control flow?)"
-            )
+        if self.armed:
+            self.disarm(t.pack_start[u])
+        if t.armed[u]:
+            # the saved-tensor hooks are pushed only for segments that save a swapped tensor:
+            # packs elsewhere cost nothing (TE's offload context per layer does the same)
+            self.packs = t.pack_start[u]
+            self.limit = t.seg_end(u)
+            self.hooks.__enter__()
+            self.armed = True
         if self.work[u]:
             self.boundary(u, args)
+
+    def disarm(self, expected: Optional[int]) -> None:
+        """Pop the saved-tensor hooks at the end of an armed segment; check its pack count
+        (``expected`` None: no check, the step is failing)."""
+        self.armed = False
+        self.hooks.__exit__(None, None, None)
+        if expected is not None and self.packs != expected:
+            raise PlanMismatchError(
+                f"a segment that ended at pack {expected} in the executor's first step ended at "
+                f"pack {self.packs} in this forward (data-dependent control flow?)"
+            )
 
     def boundary(self, u: int, args: Tuple[Any, ...]) -> None:
         st = self.state
@@ -1089,9 +1158,10 @@ class _LeanStep:
         k = self.packs
         self.packs = k + 1
         tb = self.t
-        if k >= len(tb.acts):
+        if k >= self.limit:
             raise PlanMismatchError(
-                f"this forward saved more tensors than the executor's first step ({len(tb.acts)})"
+                f"a segment saved more tensors than in the executor's first step ({self.limit} packs "
+                "up to its end; data-dependent control flow?)"
             )
         if tb.acts[k] == 0:
             return t
@@ -1128,20 +1198,18 @@ class _LeanStep:
             raise PlanMismatchError(
                 f"the model ran {self.calls} unit-module calls, {len(tb.modules)} in the executor's first step"
             )
-        if self.check_packs and self.packs != len(tb.acts):
-            raise PlanMismatchError(
-                f"the forward saved {self.packs} tensors, {len(tb.acts)} in the executor's first step"
-            )
+        if self.armed:
+            self.disarm(len(tb.acts))
         st = self.state
         st.stats.units = len(tb.pack_start)
-        if self.check_packs:
-            last = len(tb.pack_start) - 1
-            prefetch_last = last in st.prefetch_at
-            for leaf in pytree.tree_leaves(out):
-                if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
-                    if prefetch_last:
-                        leaf.register_hook(st.guarded(lambda grad: st.issue_prefetches(last)))
-                    leaf.register_hook(st.guarded(lambda grad: st.enter_backward()))
+        last = len(tb.pack_start) - 1
+        prefetch_last = bool(tb.swaps) and last in st.prefetch_at
+        # one hook per output and step: the backward of this step starts here
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                if prefetch_last:
+                    leaf.register_hook(st.guarded(lambda grad: st.issue_prefetches(last)))
+                leaf.register_hook(st.guarded(lambda grad: st.enter_backward()))
 
 
 def _remove_hooks(handles: List[Any]) -> None:
@@ -1286,18 +1354,16 @@ class Executor:
         state.names = table.names
         self.last_stats = state.stats
         step = _LeanStep(self, state, table, self._work)
-        if step.check_packs:
-            self._states.add(state)
+        self._states.add(state)
         self._cell[0] = step
         try:
-            if step.check_packs:
-                with torch.autograd.graph.saved_tensors_hooks(step.pack, _unpack_handle):
-                    out = self.model(*args, **kwargs)
-            else:
-                out = self.model(*args, **kwargs)
+            out = self.model(*args, **kwargs)
             self._cell[0] = None
             step.finish(out)
         except BaseException:
+            self._cell[0] = None
+            if step.armed:
+                step.disarm(None)
             # a failed step leaves nothing behind; the next one starts with a full step
             state.abort()
             self._uninstall()

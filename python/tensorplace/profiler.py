@@ -15,13 +15,14 @@ What one profile call runs, all on the user's model and inputs, in training mode
    marker at every stage boundary (see "Stages" below). Memory is the constant memory plus the
    running sum of the signed allocation sizes. The profiler's own op timings are not used.
 3. The **timed steps** (`repeats` of them), run through the executor with the all-retain plan
-   (`cuda_exec.executor.PlannedModule(model, ["retain"] * n, backend=backend)`): perf_counter
-   (CUDA events on a GPU) at every stage boundary; per-stage times and the step time
-   (`measured.step_time`) are medians over the repeats. So the stage times include what the
-   executor does in every planned step whatever the plan (its unit tracker's hooks and
-   TorchFunctionMode, the saved-tensor hooks, the backend's poll at every stage boundary), and
-   the cost model charges it to every plan; the all-retain plan's predicted step time is that of
-   the executor's all-retain step, not of a plain step. Memory is not measured there: the
+   (`cuda_exec.executor.PlannedModule(model, ["retain"] * n, backend=backend)`) after one
+   untimed step (the executor's first step, which learns the step's order with its full unit
+   tracker): perf_counter (CUDA events on a GPU) at every stage boundary; per-stage times and
+   the step time (`measured.step_time`) are medians over the repeats. So the stage times include
+   what the executor does in a steady all-retain step (its unit pre-hooks), and the cost model
+   charges it to every plan; the all-retain plan's predicted step time is that of the executor's
+   all-retain step, not of a plain step. (Steps of plans with recomputed units do more host work:
+   docs/cost-model.md, "Where the executor differs".) Memory is not measured there: the
    memory step runs the plain model (the executor adds no device memory to an all-retain step).
 4. The **replay step**: one step through the executor with every unit recomputed, under the
    memory recorder. The executor drops a marker before and after every replay
@@ -1028,6 +1029,15 @@ def profile_model(
         step_runs: List[float] = []
         planned = executor_mod.PlannedModule(model, ["retain"] * n, backend=backend, units=specs)
         try:
+            # the executor's first step learns the step's order (its full unit tracker); the
+            # timed steps are its steady steps (docs/cost-model.md, "Where the executor differs")
+            try:
+                _run_step(planned, args, loss_fn)
+            except executor_mod.PlanMismatchError as exc:
+                raise ProfilerError(
+                    f"the model ran a different sequence of units in the executor's first step than in "
+                    f"the warm-up step ({exc})"
+                ) from exc
             for k in range(int(repeats)):
                 inst = _Instruments(unit_map, kind_of, clock, markers=False)
                 try:
