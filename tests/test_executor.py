@@ -202,6 +202,10 @@ def test_steady_steps_of_retain_and_swap_plans_are_bitwise_equal(name: str) -> N
     # steps 2 and 3 run the lean path: ownership from the first step's table by pack order
     planned = assert_same_training(name, lambda n, r: cycle(n, ["swap", "retain", "retain"]), verify=True)
     assert planned.executor._table is not None
+    stats = planned.last_stats
+    # the schedule's prefetches fire in backward stage order, none is fetched on demand
+    assert stats.prefetches > 0 and stats.unscheduled_fetches == 0
+    assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
 
 
 def _executor_hooks(model: nn.Module) -> int:

@@ -1087,7 +1087,7 @@ def _unpack_handle(packed: Any) -> torch.Tensor:
 class _LeanStep:
     """One steady step on the lean path: counters, the step's state and the table."""
 
-    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work")
+    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work", "post")
 
     def __init__(self, ex: "Executor", state: _StepState, table: _Table, work: List[bool]) -> None:
         self.ex = ex
@@ -1099,6 +1099,7 @@ class _LeanStep:
         self.armed = False  #: the saved-tensor hooks are on (a segment with a swapped pack)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
         self.work = work  #: per unit: boundary work to do at its start
+        self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
 
     # the forward pre-hook of every unit module (installed once, see Executor._install)
     def unit_start(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
@@ -1137,12 +1138,27 @@ class _LeanStep:
         st = self.state
         if st.by_unit:
             st.stage_boundary(f"fwd:{u}")
+        if u in st.prefetch_at:
+            self.post = (u, self.t.modules[self.calls - 1])
         s = u - 1
         if s in st.prefetch_at:
-            # backward stage s starts when the gradients of unit u's inputs arrive
-            for a in args:
-                if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
-                    a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
+            # a fallback if unit s's output had no gradient: the gradients of unit u's inputs
+            # arrive after stage u's backward (never before stage s starts)
+            self._prefetch_hooks(s, args)
+
+    def _prefetch_hooks(self, s: int, values: Any) -> None:
+        st = self.state
+        for a in pytree.tree_leaves(values):
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
+                a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
+
+    # the forward hook of the unit modules of prefetch stages
+    def unit_end(self, module: nn.Module, output: Any) -> None:
+        post = self.post
+        if post is not None and post[1] is module:
+            self.post = None
+            # backward stage u starts (after the glue after it) when its output's gradient arrives
+            self._prefetch_hooks(post[0], output)
 
     def _call_mismatch(self, c: int, module: nn.Module) -> PlanMismatchError:
         t = self.t
@@ -1320,7 +1336,8 @@ class Executor:
             if a:
                 first_swap = max(u for u in range(n) if table.pack_start[u] <= k)
                 break
-        self._work = [u in fwd_deadline or (u - 1) in self.prefetch_at or u > first_swap for u in range(n)]
+        self._work = [u in fwd_deadline or u in self.prefetch_at or (u - 1) in self.prefetch_at or u > first_swap
+                      for u in range(n)]
         self._table = table
         self._install()
 
@@ -1334,8 +1351,18 @@ class Executor:
             if step is not None:
                 step.unit_start(module, args)
 
+        def unit_post_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            step = cell[0]
+            if step is not None:
+                step.unit_end(module, output)
+
+        table = self._table
+        assert table is not None
+        post = {id(table.modules[c]) for c, u in enumerate(table.call_unit) if u in self.prefetch_at}
         for module in self.unit_modules:
             self._hooks.append(module.register_forward_pre_hook(unit_pre_hook))
+            if id(module) in post:  # modules of prefetch stages' units
+                self._hooks.append(module.register_forward_hook(unit_post_hook))
         # the hooks hold no reference to the executor; if it is dropped without close(), they go
         self._hooks_finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
 
