@@ -186,10 +186,13 @@ def test_activation_bytes_are_in_a_sane_range_of_the_measured_peak(resnet_b4):
     above = resnet_b4["measured"]["peak_bytes"] - constant
     acts = sum(u["act_bytes"] for u in units)
     grads = sum(u["grad_bytes"] for u in units)
+    # kernel scratch (oneDNN's backward-weights buffer is sized per thread, and differs between
+    # CPUs) is recorded apart from activations, as stage transients
+    scratch = max(max(u["fwd_transient_bytes"], u["bwd_transient_bytes"]) for u in units)
     # every saved activation is alive at the end of the forward: the peak holds them all
     assert acts <= above
-    # and the peak is not much more than activations plus gradients
-    assert above <= 1.5 * acts + grads
+    # and the peak is not much more than activations, gradients and one stage's scratch
+    assert above <= 1.5 * acts + grads + scratch
 
 
 def test_unplanned_step_stats_agree_with_the_profile(resnet, resnet_b4):
@@ -394,8 +397,7 @@ def _executor_module():
 
 
 class Extra(nn.Module):
-    """Runs one more unit in its fourth forward (the first timed step with warmup=1: the tracker
-    step, the memory step, the executor's untimed first step, then the timed steps)."""
+    """Runs one more unit in its third forward (the first timed step with warmup=1)."""
 
     def __init__(self):
         super().__init__()
@@ -407,7 +409,7 @@ class Extra(nn.Module):
     def forward(self, x):
         self.calls += 1
         h = self.a(x)
-        if self.calls == 4:
+        if self.calls == 3:
             h = self.extra(h)
         return self.out(h)
 
@@ -425,9 +427,8 @@ def test_timed_steps_run_through_the_executor_with_the_all_retain_plan(monkeypat
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=2)
-    # the executor's untimed first step and the timed steps, then the replay step (every unit
-    # recomputed); not the memory step
-    assert plans == [["retain"] * 5] * 3 + [["recompute"] * 5]
+    # the timed steps, then the replay step (every unit recomputed); not the memory step
+    assert plans == [["retain"] * 5] * 2 + [["recompute"] * 5]
     assert _hooks_left(model) == 0
     assert torch._C._len_torch_function_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -439,20 +440,20 @@ def test_the_executors_own_work_is_charged_to_the_stage_where_it_runs(monkeypatc
     stage; work in its hook at the start of the backward, in the first backward window."""
     cex = _executor_module()
     delay = 0.03
-    start = cex._LeanStep.unit_start  # the timed steps are the executor's steady steps
+    start = cex._PlanTracker.on_unit_start
     enter = cex._StepState.enter_backward
 
-    def slow_start(self, module, args):
-        if self.calls == 2:
+    def slow_start(self, index, module, args, kwargs):
+        if index == 2:
             time.sleep(delay)
-        return start(self, module, args)
+        return start(self, index, module, args, kwargs)
 
     def slow_enter(self):
         if not self.backward_running:
             time.sleep(delay)
         return enter(self)
 
-    monkeypatch.setattr(cex._LeanStep, "unit_start", slow_start)
+    monkeypatch.setattr(cex._PlanTracker, "on_unit_start", slow_start)
     monkeypatch.setattr(cex._StepState, "enter_backward", slow_enter)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
