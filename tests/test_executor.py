@@ -288,6 +288,21 @@ def test_control_flow_change_in_a_steady_step_is_refused_cleanly(actions: List[s
     _assert_no_hooks(model)
 
 
+def test_the_unit_hooks_go_with_the_planned_module() -> None:
+    torch.manual_seed(0)
+    model = Switch()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap", "retain", "swap"], backend=backend)
+    for _ in range(2):
+        loss_fn(planned(x), y).backward()
+    assert _executor_hooks(model) == 3
+    del planned
+    gc.collect()
+    _assert_no_hooks(model)
+    backend.close()
+
+
 def test_swap_deadlines_in_steady_steps_are_waited_for_and_counted() -> None:
     model, x, y = make("gpt")
     recs = records(model, x)

@@ -1478,6 +1478,11 @@ class PlannedModule(nn.Module):
     per unit). ``backend``: the host tier (default: CpuBackend on CPU, CudaBackend on CUDA).
     ``units``: the coarse unit choice the plan was made with (see units.discover_units).
     ``verify``: checksum every moved or dropped tensor (default: ``TENSORPLACE_VERIFY``).
+
+    For a plan without recomputed units, after the first training step one forward pre-hook
+    stays on every unit module (a no-op outside this module's steps; a forward hook too on the
+    units of prefetch stages); :meth:`close` removes them, and so does a failed step or dropping
+    this module.
     """
 
     def __init__(
