@@ -364,6 +364,7 @@ class CudaBackend(Backend):
         self._pending: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
         #: id(slot) -> completion event of its offload, while that offload is pending
         self._offload_events: Dict[int, Any] = {}
+        self._event_slot: Dict[int, int] = {}  # id(completion event) -> its key in _offload_events
         with self._torch.device_guard():
             self._stream = self._cuda("cudaStreamCreateWithFlags", self._cuda.rt.cudaStreamNonBlocking)
         self.pool = PinnedPool(self._cuda)
@@ -418,6 +419,7 @@ class CudaBackend(Backend):
                 raise
             self._pending.append((done, src))  # src (a view of the caller's storage) stays alive
             self._offload_events[id(slot)] = done
+            self._event_slot[id(done)] = id(slot)
             self.stats["offloads"] += 1
             self.stats["d2h_bytes"] += nbytes
             return self._new_handle(nbytes, src, slot)
@@ -569,6 +571,7 @@ class CudaBackend(Backend):
                 errors.append(exc)
             self._pending.clear()
             self._offload_events.clear()
+            self._event_slot.clear()
             self._dead.clear()
             for slot in list(self._slots):
                 slot.ptr = None
@@ -682,6 +685,7 @@ class CudaBackend(Backend):
                 break  # FIFO: later copies are not done either
             self._cuda.check("cudaEventQuery", (err,))
             self._pending.popleft()
-            for k in [k for k, e in self._offload_events.items() if e is ev]:
-                del self._offload_events[k]
+            key = self._event_slot.pop(id(ev), None)
+            if key is not None and self._offload_events.get(key) is ev:
+                del self._offload_events[key]
             self._events.give_back(ev)
