@@ -7,8 +7,11 @@
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3).
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
+//! - [`allocator`]: reserved memory of an allocation sequence under PyTorch's caching allocator
+//!   or moDNN's offset pool; replay of recorded allocator traces.
 
 pub mod action;
+pub mod allocator;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
