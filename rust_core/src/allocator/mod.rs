@@ -78,6 +78,7 @@ pub struct Initial {
 
 /// Allocator settings (`PYTORCH_CUDA_ALLOC_CONF`) and simulation options.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct AllocConf {
     pub model: Model,
     /// `expandable_segments:True`: one segment per stream and pool that grows by pages
@@ -265,6 +266,51 @@ pub fn simulate(events: &[AllocEvent], conf: &AllocConf) -> Result<AllocStats> {
     stats.events = events.len() as u64;
     sim.finish(&mut stats);
     Ok(stats)
+}
+
+/// Options of a simulation or replay as the Python layer passes them (JSON): each present field
+/// overrides the settings (for a replay, those the trace was recorded under).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Options {
+    /// "caching" or "offset-pool".
+    pub model: Option<String>,
+    /// A `PYTORCH_CUDA_ALLOC_CONF` string.
+    pub alloc_conf: Option<String>,
+    pub initial: Option<Initial>,
+    pub capacity: Option<u64>,
+    pub timeline: bool,
+    pub check_merged: bool,
+}
+
+impl Options {
+    pub fn from_json(text: &str) -> Result<Options> {
+        serde_json::from_str(text).map_err(|e| CoreError::InvalidSetting(format!("allocator options: {e}")))
+    }
+
+    /// The settings: `base` (or the defaults) with these options applied.
+    pub fn conf(&self, base: Option<AllocConf>) -> Result<AllocConf> {
+        let mut conf = match (&self.alloc_conf, base) {
+            (Some(text), b) => {
+                let initial = b.map(|b| b.initial).unwrap_or_default();
+                AllocConf { initial, ..AllocConf::from_alloc_conf(text)? }
+            }
+            (None, Some(b)) => b,
+            (None, None) => AllocConf::default(),
+        };
+        if let Some(m) = &self.model {
+            conf.model = Model::from_name(m)?;
+        }
+        if let Some(i) = self.initial {
+            conf.initial = i;
+        }
+        if self.capacity.is_some() {
+            conf.capacity = self.capacity;
+        }
+        conf.record_timeline = self.timeline;
+        conf.check_merged = self.check_merged;
+        Ok(conf)
+    }
 }
 
 pub(crate) fn event_error(index: usize, event: &AllocEvent, what: &str) -> CoreError {

@@ -122,10 +122,15 @@ fn error_pct(sim: u64, rec: Option<u64>) -> Option<f64> {
 /// Replay a trace. `model`: None takes the caching allocator (the trace's `alloc_conf` selects
 /// its settings). `edit` may change the settings before the run (timeline, checks, capacity).
 pub fn replay(trace: &Trace, model: Option<Model>, edit: impl FnOnce(&mut AllocConf)) -> Result<Replay> {
-    let (events, recorded) = trace.events()?;
     let mut conf = trace.conf()?;
     conf.model = model.unwrap_or(Model::Caching);
     edit(&mut conf);
+    replay_with(trace, conf)
+}
+
+/// Replay a trace under `conf` (which should carry the trace's `at_start` as `initial`).
+pub fn replay_with(trace: &Trace, conf: AllocConf) -> Result<Replay> {
+    let (events, recorded) = trace.events()?;
     let stats = simulate(&events, &conf).map_err(|e| match e {
         CoreError::InvalidTrace(m) => CoreError::InvalidTrace(format!(
             "{m} (in the trace's replayed allocation events; a free of a block allocated before the recording \
