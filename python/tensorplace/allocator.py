@@ -149,9 +149,8 @@ def cmd_allocator(a: argparse.Namespace) -> int:
             trace = json.load(f)
         r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity)
         rec = r["recorded"]
-        name = os.path.basename(path).removesuffix(".json") if hasattr(str, "removesuffix") else os.path.basename(path)
         rows.append([
-            name + (f' [{r["alloc_conf"]}]' if r["alloc_conf"] else ""),
+            os.path.basename(path).removesuffix(".json") + (f' ({r["alloc_conf"]})' if r["alloc_conf"] else ""),
             _gib(r["max_reserved"]), _gib(rec["max_reserved"]), _pct(r["reserved_error_pct"]),
             _gib(r["max_allocated"]), _gib(rec["max_allocated"]), _pct(r["allocated_error_pct"]),
             f'{r["device_allocs"]} / {rec["device_allocs"]}',
@@ -159,7 +158,7 @@ def cmd_allocator(a: argparse.Namespace) -> int:
         results.append({"trace": path, **{k: v for k, v in r.items() if k != "timeline"}})
     _table(
         f"allocator replay ({results[0]['model'] if results else a.model}): simulated vs recorded peaks, GiB",
-        ["trace [alloc_conf]", "reserved sim", "rec", "error", "allocated sim", "rec", "error", "segments sim / rec"],
+        ["trace (alloc_conf)", "reserved sim", "rec", "error", "allocated sim", "rec", "error", "segments sim / rec"],
         rows,
     )
     if a.json:
