@@ -23,7 +23,7 @@
 
 use super::{event_error, AllocConf, AllocEvent, AllocStats, Simulator, MIB};
 use crate::error::{CoreError, Result};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
 pub const MIN_BLOCK_SIZE: u64 = 512;
 pub const SMALL_SIZE: u64 = MIB;
@@ -87,6 +87,8 @@ struct Block {
 struct Segment {
     expandable: bool,
     alive: bool,
+    /// Holds memory allocated before the first event: never released.
+    pinned: bool,
 }
 
 #[derive(Debug, Default)]
@@ -108,6 +110,8 @@ pub struct Caching {
     spare: Vec<usize>,
     segments: Vec<Segment>,
     pools: [Pool; 2], // [large, small]
+    /// Addresses cudaMalloc gives new segments, by segment size, in order.
+    driver_addresses: HashMap<u64, VecDeque<u64>>,
     live: HashMap<u64, usize>,
     pending: HashMap<u64, usize>,
     allocated: u64,
@@ -127,7 +131,14 @@ fn pool_index(small: bool) -> usize {
 
 impl Caching {
     pub fn new(conf: &AllocConf) -> Result<Caching> {
-        let init = conf.initial;
+        let init = &conf.initial;
+        let listed: u64 = init.free_blocks.iter().map(|f| f.size).sum();
+        if init.allocated + listed > init.reserved {
+            return Err(CoreError::InvalidTrace(format!(
+                "initial allocated bytes ({}) and initial free blocks ({listed} bytes) exceed initial reserved bytes ({})",
+                init.allocated, init.reserved
+            )));
+        }
         if init.allocated > init.reserved {
             return Err(CoreError::InvalidTrace(format!(
                 "initial allocated bytes ({}) exceed initial reserved bytes ({}); allocated memory is part of reserved memory",
@@ -148,6 +159,13 @@ impl Caching {
             spare: Vec::new(),
             segments: Vec::new(),
             pools: [Pool::default(), Pool::default()],
+            driver_addresses: {
+                let mut m: HashMap<u64, VecDeque<u64>> = HashMap::new();
+                for &(size, addr) in &conf.segment_addresses {
+                    m.entry(size).or_default().push_back(addr);
+                }
+                m
+            },
             live: HashMap::new(),
             pending: HashMap::new(),
             allocated: 0,
@@ -160,10 +178,90 @@ impl Caching {
             alloc_retries: 0,
             ooms: 0,
         };
-        if init.reserved > 0 {
+        if !init.free_blocks.is_empty() {
+            c.place_initial_blocks(init);
+        } else if init.reserved > 0 {
             c.place_initial(init.allocated, init.reserved);
         }
         Ok(c)
+    }
+
+    /// The listed free blocks, each in a pinned segment of its own, and the rest of the initial
+    /// memory held by one live block in a pinned segment.
+    fn place_initial_blocks(&mut self, init: &super::Initial) {
+        let listed: u64 = init.free_blocks.iter().map(|f| f.size).sum();
+        for f in &init.free_blocks {
+            if f.grows && self.expandable {
+                // the free end of an expandable segment: unmapped address space follows it
+                let space = self.address_space.max(f.size + LARGE_BUFFER);
+                let addr = self.take_address(space);
+                let seg = self.new_segment(true);
+                let b = self.new_block(Block {
+                    addr,
+                    size: f.size,
+                    requested: 0,
+                    stream: f.stream,
+                    small: f.small,
+                    active: false,
+                    mapped: true,
+                    prev: NIL,
+                    next: NIL,
+                    segment: seg,
+                });
+                let u = self.new_block(Block {
+                    addr: addr + f.size,
+                    size: space - f.size,
+                    requested: 0,
+                    stream: f.stream,
+                    small: f.small,
+                    active: false,
+                    mapped: false,
+                    prev: b,
+                    next: NIL,
+                    segment: seg,
+                });
+                self.blocks[b].next = u;
+                self.insert_free(b);
+                self.pools[pool_index(f.small)].unmapped.insert((f.stream, addr + f.size, u));
+                continue;
+            }
+            let addr = f.addr.unwrap_or_else(|| self.take_address(f.size));
+            let seg = self.new_segment(false);
+            self.segments[seg].pinned = true;
+            let b = self.new_block(Block {
+                addr,
+                size: f.size,
+                requested: 0,
+                stream: f.stream,
+                small: f.small,
+                active: false,
+                mapped: true,
+                prev: NIL,
+                next: NIL,
+                segment: seg,
+            });
+            self.insert_free(b);
+        }
+        let held = init.reserved - listed;
+        if held > 0 {
+            let addr = self.take_address(held);
+            let seg = self.new_segment(false);
+            self.segments[seg].pinned = true;
+            self.new_block(Block {
+                addr,
+                size: held,
+                requested: 0,
+                stream: 0,
+                small: false,
+                active: true,
+                mapped: true,
+                prev: NIL,
+                next: NIL,
+                segment: seg,
+            });
+        }
+        self.reserved = init.reserved;
+        self.allocated = init.allocated;
     }
 
     /// One large-pool segment on stream 0 holding the initial memory: the live bytes first, the
@@ -222,16 +320,16 @@ impl Caching {
     }
 
     fn take_address(&mut self, size: u64) -> u64 {
-        // New segments take decreasing addresses, as cudaMalloc mostly gave them in the
-        // recorded traces (the address decides best-fit ties between equal free blocks), with
-        // a gap so that no two segments are contiguous.
+        // Without `segment_addresses`, new segments take decreasing addresses, as cudaMalloc
+        // mostly gave them in the recorded traces (the address decides best-fit ties between
+        // equal free blocks), with a gap so that no two segments are contiguous.
         let span = size.div_ceil(LARGE_BUFFER) * LARGE_BUFFER + LARGE_BUFFER;
         self.next_addr -= span;
         self.next_addr
     }
 
     fn new_segment(&mut self, expandable: bool) -> usize {
-        self.segments.push(Segment { expandable, alive: true });
+        self.segments.push(Segment { expandable, alive: true, pinned: false });
         self.live_segments += 1;
         self.max_segments = self.max_segments.max(self.live_segments);
         self.segments.len() - 1
@@ -372,7 +470,10 @@ impl Caching {
         if !force && self.would_exceed(bytes) {
             return None;
         }
-        let addr = self.take_address(bytes);
+        let addr = match self.driver_addresses.get_mut(&bytes).and_then(|q| q.pop_front()) {
+            Some(a) => a,
+            None => self.take_address(bytes),
+        };
         let seg = self.new_segment(false);
         self.reserved += bytes;
         self.device_allocs += 1;
@@ -565,7 +666,7 @@ impl Caching {
         let pool = &self.pools[pool_index(small)].free;
         if let Some(&(s, _, _, i)) = pool.range((stream, key, 0, 0)..).next().filter(|k| k.0 == stream) {
             let _ = s;
-            if self.is_expandable(i) {
+            if self.is_expandable(i) || self.blocks[i].prev != NIL || self.blocks[i].next != NIL || self.segments[self.blocks[i].segment].pinned {
                 return false;
             }
             self.release_block(i);
@@ -579,8 +680,11 @@ impl Caching {
             .collect();
         let mut released = 0;
         for (sz, i) in candidates {
-            if released >= key || self.is_expandable(i) {
+            if released >= key || self.is_expandable(i) || self.segments[self.blocks[i].segment].pinned {
                 break;
+            }
+            if self.blocks[i].prev != NIL || self.blocks[i].next != NIL {
+                continue;
             }
             released += sz;
             self.release_block(i);
@@ -596,7 +700,10 @@ impl Caching {
             for i in blocks {
                 if self.is_expandable(i) {
                     self.unmap_block(i);
-                } else if self.blocks[i].prev == NIL && self.blocks[i].next == NIL {
+                } else if self.blocks[i].prev == NIL
+                    && self.blocks[i].next == NIL
+                    && !self.segments[self.blocks[i].segment].pinned
+                {
                     self.release_block(i);
                 }
             }

@@ -65,15 +65,39 @@ impl Model {
 
 /// Memory the allocator already holds before the first event.
 ///
-/// `allocated` bytes are live and are never freed by the events (one block the events cannot
-/// name); `reserved - allocated` bytes are cached and free. The caching model places both in
-/// one large-pool segment of `reserved` bytes on stream 0 (expandable when expandable segments
-/// are on): the live block at its start, the free rest after it, which later allocations may
-/// split. See docs/formats.md for why.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// `allocated` bytes are live and never freed by the events; `reserved - allocated` bytes are
+/// cached. Where the cached bytes lie matters (a request fits only into one free block):
+/// `free_blocks`, when given, are the cached blocks the events may use, each in a segment of
+/// its own that also holds live memory (so it never merges with another block and is never
+/// released), or, marked `grows` under expandable segments, at the end of a segment's mapped
+/// pages; the rest of `reserved` is held by the live bytes and unusable. Without
+/// `free_blocks`, the caching model places all of it in one large-pool segment on stream 0
+/// (expandable with expandable segments): the live bytes at its start, one free block of
+/// `reserved - allocated` bytes after them. docs/formats.md says how a trace's are inferred.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Initial {
     pub allocated: u64,
     pub reserved: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub free_blocks: Vec<InitialFree>,
+}
+
+/// A cached free block held before the first event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitialFree {
+    pub size: u64,
+    /// In the small pool (blocks of at most 1 MiB) rather than the large one.
+    #[serde(default)]
+    pub small: bool,
+    #[serde(default)]
+    pub stream: u64,
+    /// Its address, where known (it decides best-fit ties between blocks of equal size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<u64>,
+    /// With expandable segments: the block ends where its segment's unmapped address space
+    /// begins, so new pages extend it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grows: bool,
 }
 
 /// Allocator settings (`PYTORCH_CUDA_ALLOC_CONF`) and simulation options.
@@ -99,6 +123,12 @@ pub struct AllocConf {
     pub capacity: Option<u64>,
     /// Memory held before the first event.
     pub initial: Initial,
+    /// `(size, address)` of the segments cudaMalloc returns, in order: the k-th new segment of
+    /// a size takes the k-th address listed for that size (the device driver's choice, which
+    /// decides best-fit ties between free blocks of equal size). Sizes not listed, or listed
+    /// too few times, take decreasing addresses.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub segment_addresses: Vec<(u64, u64)>,
     /// Alignment of the offset pool's blocks (bytes).
     pub offset_alignment: u64,
     /// Record allocated and reserved bytes after every event in [`AllocStats::timeline`].
@@ -118,6 +148,7 @@ impl Default for AllocConf {
             roundup_power2_divisions: 0,
             capacity: None,
             initial: Initial::default(),
+            segment_addresses: Vec::new(),
             offset_alignment: 512,
             record_timeline: false,
             check_merged: false,
@@ -301,8 +332,8 @@ impl Options {
         if let Some(m) = &self.model {
             conf.model = Model::from_name(m)?;
         }
-        if let Some(i) = self.initial {
-            conf.initial = i;
+        if let Some(i) = &self.initial {
+            conf.initial = i.clone();
         }
         if self.capacity.is_some() {
             conf.capacity = self.capacity;

@@ -38,7 +38,7 @@ impl OffsetPool {
         if conf.offset_alignment == 0 {
             return Err(CoreError::InvalidSetting("offset_alignment must be at least 1 byte".into()));
         }
-        let init = conf.initial;
+        let init = &conf.initial;
         if init.allocated > init.reserved {
             return Err(CoreError::InvalidTrace(format!(
                 "initial allocated bytes ({}) exceed initial reserved bytes ({}); allocated memory is part of reserved memory",

@@ -2,7 +2,8 @@
 //! events recorded with `torch.cuda.memory._record_memory_history`, with the allocator settings
 //! and the memory held at the start, and its replay through a model.
 
-use super::{simulate, AllocConf, AllocEvent, AllocStats, Initial, Model};
+use super::caching::{round_size, SMALL_SIZE};
+use super::{simulate, AllocConf, AllocEvent, AllocStats, Initial, InitialFree, Model};
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
 
@@ -107,11 +108,77 @@ impl Trace {
         Ok((out, rec))
     }
 
-    /// The settings the trace was recorded under, with its starting memory.
+    /// The settings the trace was recorded under, with its starting memory (for a trace
+    /// without expandable segments, with the free blocks inferred by [`Trace::initial_free_blocks`]).
     pub fn conf(&self) -> Result<AllocConf> {
         let mut conf = AllocConf::from_alloc_conf(&self.alloc_conf)?;
-        conf.initial = self.at_start;
+        conf.initial = self.at_start.clone();
+        if conf.initial.free_blocks.is_empty() {
+            let free = self.initial_free_blocks(conf.roundup_power2_divisions);
+            let listed: u64 = free.iter().map(|f| f.size).sum();
+            if listed + conf.initial.allocated <= conf.initial.reserved {
+                conf.initial.free_blocks = free;
+            }
+            conf.segment_addresses = self
+                .events
+                .iter()
+                .filter(|e| e.action == "segment_alloc")
+                .map(|e| (e.size, e.addr))
+                .collect();
+        }
         Ok(conf)
+    }
+
+    /// The cached blocks held at the start that the recorded step used: the address ranges its
+    /// allocations (rounded to block sizes) took outside every segment the recording allocated
+    /// (or pages it mapped), merged where they touch, per pool and stream. A range that runs
+    /// into pages mapped later is cut there and `grows` (the free end of an expandable
+    /// segment). The recording does not list the segments held at its start; this and
+    /// `segment_addresses` are the only uses of recorded addresses beyond naming blocks.
+    pub fn initial_free_blocks(&self, divisions: u64) -> Vec<InitialFree> {
+        let mut segments: Vec<(u64, u64)> = self
+            .events
+            .iter()
+            .filter(|e| e.action == "segment_alloc" || e.action == "segment_map")
+            .map(|e| (e.addr, e.addr + e.size))
+            .collect();
+        segments.sort_unstable();
+        let inside = |a: u64| {
+            let k = segments.partition_point(|s| s.0 <= a);
+            k > 0 && a < segments[k - 1].1
+        };
+        // (stream, start, end, small, grows)
+        let mut ranges: Vec<(u64, u64, u64, bool, bool)> = self
+            .events
+            .iter()
+            .filter(|e| e.action == "alloc" && !inside(e.addr))
+            .map(|e| {
+                let size = round_size(e.size, divisions);
+                let mut end = e.addr + size;
+                let k = segments.partition_point(|s| s.0 < end);
+                let grows = k > 0 && segments[k - 1].0 > e.addr;
+                if grows {
+                    end = segments[segments.partition_point(|s| s.0 <= e.addr)].0;
+                }
+                (e.stream, e.addr, end, size <= SMALL_SIZE, grows)
+            })
+            .collect();
+        ranges.sort_unstable_by_key(|r| (r.3, r.0, r.1));
+        let mut merged: Vec<(u64, u64, u64, bool, bool)> = Vec::new();
+        for r in ranges {
+            match merged.last_mut() {
+                Some(m) if m.3 == r.3 && m.0 == r.0 && r.1 <= m.2 => {
+                    m.2 = m.2.max(r.2);
+                    m.4 |= r.4;
+                }
+                _ => merged.push(r),
+            }
+        }
+        merged
+            .into_iter()
+            .filter(|r| r.2 > r.1)
+            .map(|(stream, a, b, small, grows)| InitialFree { size: b - a, small, stream, addr: Some(a), grows })
+            .collect()
     }
 }
 
