@@ -2,7 +2,7 @@
 //! events recorded with `torch.cuda.memory._record_memory_history`, with the allocator settings
 //! and the memory held at the start, and its replay through a model.
 
-use super::caching::{round_size, SMALL_SIZE};
+use super::caching::{round_size, ROUND_LARGE, SMALL_SIZE};
 use super::{simulate, AllocConf, AllocEvent, AllocStats, Initial, InitialFree, Model};
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
@@ -133,7 +133,8 @@ impl Trace {
     /// allocations (rounded to block sizes) took outside every segment the recording allocated
     /// (or pages it mapped), merged where they touch, per pool and stream. A range that runs
     /// into pages mapped later is cut there and `grows` (the free end of an expandable
-    /// segment). The recording does not list the segments held at its start; this and
+    /// segment); a large-pool range ending at most 1 MiB before a 2 MiB boundary is taken to
+    /// reach it. The recording does not list the segments held at its start; this and
     /// `segment_addresses` are the only uses of recorded addresses beyond naming blocks.
     pub fn initial_free_blocks(&self, divisions: u64) -> Vec<InitialFree> {
         let mut segments: Vec<(u64, u64)> = self
@@ -159,6 +160,14 @@ impl Trace {
                 let grows = k > 0 && segments[k - 1].0 > e.addr;
                 if grows {
                     end = segments[segments.partition_point(|s| s.0 <= e.addr)].0;
+                } else if size > SMALL_SIZE {
+                    // Large-pool segments are whole 2 MiB at 2 MiB-aligned addresses; a tail up
+                    // to the next 2 MiB boundary of at most 1 MiB cannot serve any large request
+                    // and is not split off, so the allocation that leaves it counts it.
+                    let aligned = end.div_ceil(ROUND_LARGE) * ROUND_LARGE;
+                    if aligned - end <= SMALL_SIZE {
+                        end = aligned;
+                    }
                 }
                 (e.stream, e.addr, end, size <= SMALL_SIZE, grows)
             })
