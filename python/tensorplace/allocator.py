@@ -36,6 +36,7 @@ def _options(
     timeline: bool,
     check_merged: bool,
     initial: Optional[Tuple[int, int]] = None,
+    trace_layout: Optional[bool] = None,
 ) -> str:
     if model is not None and model not in MODELS:
         raise AllocatorError(f"unknown allocator model {model!r}; use one of {', '.join(MODELS)}")
@@ -46,6 +47,8 @@ def _options(
         opts["alloc_conf"] = alloc_conf
     if capacity is not None:
         opts["capacity"] = int(capacity)
+    if trace_layout is not None:
+        opts["trace_layout"] = trace_layout
     if initial is not None:
         opts["initial"] = {"allocated": int(initial[0]), "reserved": int(initial[1])}
     return json.dumps(opts)
@@ -79,6 +82,7 @@ def replay(
     capacity: Optional[int] = None,
     timeline: bool = False,
     check_merged: bool = False,
+    trace_layout: bool = True,
 ) -> Dict[str, Any]:
     """Replay a recorded allocator trace (a path, a dict or JSON text) through a model.
 
@@ -90,9 +94,13 @@ def replay(
     (cudaMalloc calls or page mappings), ``recorded`` (the trace's own peaks and counts),
     ``reserved_error_pct``, ``allocated_error_pct`` and more (docs/formats.md); with
     ``timeline``, ``timeline`` lists ``(allocated, reserved)`` after every replayed event.
+    ``trace_layout=False`` ignores what the recorded addresses say about the memory held at the
+    start and about cudaMalloc's address order (docs/formats.md): the replay then uses only
+    ``at_start``.
     """
     text = _trace_text(trace)
-    return _call(_core.allocator_replay, text, _options(model, alloc_conf, capacity, timeline, check_merged))
+    opts = _options(model, alloc_conf, capacity, timeline, check_merged, trace_layout=trace_layout)
+    return _call(_core.allocator_replay, text, opts)
 
 
 def _event_json(e: Event, i: int) -> Dict[str, Any]:
@@ -147,7 +155,7 @@ def cmd_allocator(a: argparse.Namespace) -> int:
     for path in a.traces:
         with open(path) as f:
             trace = json.load(f)
-        r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity)
+        r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity, trace_layout=not a.no_trace_layout)
         rec = r["recorded"]
         rows.append([
             os.path.basename(path).removesuffix(".json") + (f' ({r["alloc_conf"]})' if r["alloc_conf"] else ""),
@@ -174,5 +182,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--model", choices=MODELS, default=None, help="default: caching, under the trace's alloc_conf")
     p.add_argument("--alloc-conf", default=None, help="replay under this PYTORCH_CUDA_ALLOC_CONF instead of the trace's")
     p.add_argument("--capacity", type=int, default=None, help="device bytes the allocator may reserve")
+    p.add_argument("--no-trace-layout", action="store_true",
+                   help="use only at_start, not the initial blocks and segment addresses inferred from the trace")
     p.add_argument("--json", help="also write the results to this file")
     p.set_defaults(fn=cmd_allocator)

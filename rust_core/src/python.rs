@@ -162,7 +162,8 @@ fn allocator_replay(py: Python<'_>, trace_json: String, options_json: &str) -> P
     let options = alloc::Options::from_json(options_json).map_err(to_py)?;
     let run = move || -> crate::error::Result<String> {
         let trace = alloc::trace::Trace::from_json(&trace_json)?;
-        let conf = options.conf(Some(trace.conf()?))?;
+        let base = if options.trace_layout.unwrap_or(true) { trace.conf()? } else { trace.plain_conf()? };
+        let conf = options.conf(Some(base))?;
         let r = alloc::trace::replay_with(&trace, conf)?;
         Ok(serde_json::to_string(&r).expect("replay serialises"))
     };

@@ -312,6 +312,9 @@ pub struct Options {
     pub capacity: Option<u64>,
     pub timeline: bool,
     pub check_merged: bool,
+    /// Replays only: infer the initial free blocks and cudaMalloc's segment addresses from the
+    /// trace's recorded addresses (default true; see `trace::Trace::conf`).
+    pub trace_layout: Option<bool>,
 }
 
 impl Options {
@@ -323,8 +326,8 @@ impl Options {
     pub fn conf(&self, base: Option<AllocConf>) -> Result<AllocConf> {
         let mut conf = match (&self.alloc_conf, base) {
             (Some(text), b) => {
-                let initial = b.map(|b| b.initial).unwrap_or_default();
-                AllocConf { initial, ..AllocConf::from_alloc_conf(text)? }
+                let (initial, segment_addresses) = b.map(|b| (b.initial, b.segment_addresses)).unwrap_or_default();
+                AllocConf { initial, segment_addresses, ..AllocConf::from_alloc_conf(text)? }
             }
             (None, Some(b)) => b,
             (None, None) => AllocConf::default(),

@@ -111,8 +111,7 @@ impl Trace {
     /// The settings the trace was recorded under, with its starting memory (for a trace
     /// without expandable segments, with the free blocks inferred by [`Trace::initial_free_blocks`]).
     pub fn conf(&self) -> Result<AllocConf> {
-        let mut conf = AllocConf::from_alloc_conf(&self.alloc_conf)?;
-        conf.initial = self.at_start.clone();
+        let mut conf = self.plain_conf()?;
         if conf.initial.free_blocks.is_empty() {
             let free = self.initial_free_blocks(conf.roundup_power2_divisions);
             let listed: u64 = free.iter().map(|f| f.size).sum();
@@ -126,6 +125,14 @@ impl Trace {
                 .map(|e| (e.size, e.addr))
                 .collect();
         }
+        Ok(conf)
+    }
+
+    /// The settings the trace was recorded under and its starting memory as `at_start` gives
+    /// it, without anything inferred from recorded addresses.
+    pub fn plain_conf(&self) -> Result<AllocConf> {
+        let mut conf = AllocConf::from_alloc_conf(&self.alloc_conf)?;
+        conf.initial = self.at_start.clone();
         Ok(conf)
     }
 
