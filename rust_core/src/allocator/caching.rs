@@ -664,8 +664,7 @@ impl Caching {
         }
         let key = size.max(self.max_split_size);
         let pool = &self.pools[pool_index(small)].free;
-        if let Some(&(s, _, _, i)) = pool.range((stream, key, 0, 0)..).next().filter(|k| k.0 == stream) {
-            let _ = s;
+        if let Some(&(_, _, _, i)) = pool.range((stream, key, 0, 0)..).next().filter(|k| k.0 == stream) {
             if self.is_expandable(i) || self.blocks[i].prev != NIL || self.blocks[i].next != NIL || self.segments[self.blocks[i].segment].pinned {
                 return false;
             }
@@ -760,13 +759,9 @@ impl Caching {
         for &i in &self.spare {
             seen[i] = true;
         }
-        let mut heads = Vec::new();
-        for i in 0..self.blocks.len() {
-            if !seen[i] && self.blocks[i].prev == NIL && self.segments[self.blocks[i].segment].alive {
-                heads.push(i);
-            }
-        }
-        heads
+        (0..self.blocks.len())
+            .filter(|&i| !seen[i] && self.blocks[i].prev == NIL && self.segments[self.blocks[i].segment].alive)
+            .collect()
     }
 }
 
