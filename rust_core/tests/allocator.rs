@@ -329,3 +329,23 @@ fn bad_traces_say_what_is_wrong() {
     let e = replay(&t, None, |_| {}).unwrap_err();
     assert!(e.to_string().contains("not allocated") && e.to_string().contains("before the recording"), "{e}");
 }
+
+#[test]
+fn recorded_traces_replay_to_their_peaks() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/gpu-traces");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        eprintln!("skipped: no recorded traces in {}", dir.display());
+        return;
+    };
+    let mut n = 0;
+    for path in entries.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "json")) {
+        let t = Trace::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let r = replay(&t, None, |c| c.check_merged = true).unwrap();
+        let (rec_res, rec_alloc) = (r.recorded.max_reserved.unwrap(), r.recorded.max_allocated.unwrap());
+        assert!(r.stats.max_reserved.abs_diff(rec_res) * 100 <= rec_res, "{}: {:?}", path.display(), r);
+        assert_eq!(r.stats.max_allocated, rec_alloc, "{}", path.display());
+        assert_eq!(r.stats.unmerged_free_pairs, 0);
+        n += 1;
+    }
+    assert!(n > 0, "no traces in {}", dir.display());
+}
