@@ -74,6 +74,8 @@ impl Model {
 /// `free_blocks`, the caching model places all of it in one large-pool segment on stream 0
 /// (expandable with expandable segments): the live bytes at its start, one free block of
 /// `reserved - allocated` bytes after them. docs/formats.md says how a trace's are inferred.
+/// The offset pool uses only the totals: the live bytes at the bottom of the pool, the cached
+/// ones above them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Initial {
     pub allocated: u64,
