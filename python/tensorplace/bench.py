@@ -370,6 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     search_args(t, 100, 100)
     t.set_defaults(fn=cmd_timeline)
 
+    __import__("tensorplace.allocator", fromlist=["add_cli"]).add_cli(sub)
     a = ap.parse_args(argv)
     return int(a.fn(a))
 
