@@ -371,6 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t.set_defaults(fn=cmd_timeline)
 
     __import__("tensorplace.methods.bench", fromlist=["add_cli"]).add_cli(sub)  # methods: docs/methods.md
+    __import__("tensorplace.allocator", fromlist=["add_cli"]).add_cli(sub)
     a = ap.parse_args(argv)
     return int(a.fn(a))
 

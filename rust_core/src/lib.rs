@@ -9,8 +9,11 @@
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
+//! - [`allocator`]: reserved memory of an allocation sequence under PyTorch's caching allocator
+//!   or moDNN's offset pool; replay of recorded allocator traces.
 
 pub mod action;
+pub mod allocator;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
