@@ -64,7 +64,7 @@ fn seeds_of_the_wrong_length_are_refused_and_polish_never_hurts() {
     let opts = EvalOptions::default();
     let bad = PsoSettings { particles: 4, iterations: 1, seeds: vec![vec![Action::Retain; 3]], ..Default::default() };
     match search(&g, budget, &opts, &bad, |_, _| {}) {
-        Err(CoreError::InvalidSetting(m)) => assert!(m.contains("one action per unit"), "{m}"),
+        Err(CoreError::InvalidSetting(m)) => assert!(m.contains("actions but the profile has"), "{m}"),
         other => panic!("expected a refusal, got {other:?}"),
     }
     let base = PsoSettings { particles: 6, iterations: 2, polish: false, ..Default::default() };
