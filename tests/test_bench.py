@@ -14,7 +14,7 @@ def test_compare_prints_every_method(capsys):
 
 
 def test_maxbatch_planning_fits_at_least_the_unplanned_batch(capsys):
-    assert main(["maxbatch", "--model", "plain20", "--memory", "64MiB", "--iterations", "3", "--particles", "8",
+    assert main(["maxbatch", "--builtin", "plain20", "--memory", "64MiB", "--iterations", "3", "--particles", "8",
                  "--methods", "unplanned", "pso"]) == 0
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
             for line in capsys.readouterr().out.splitlines() if line.count("│") >= 3}

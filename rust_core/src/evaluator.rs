@@ -94,6 +94,21 @@ pub struct Outcome {
     /// (stage, unit): the swap-out of `unit` has completed and its bytes left the device before
     /// `stage` starts (or before it allocates, when the stage waited for it), in FIFO order.
     pub swap_deadlines: Vec<(Stage, usize)>,
+    /// Copies on the copy stream, in issue order (recorded evaluations only).
+    pub copies: Vec<CopyEvent>,
+    /// Replays of recomputed units on the compute stream: (unit, backward stage, start, end),
+    /// recorded evaluations only.
+    pub replays: Vec<(usize, usize, f64, f64)>,
+}
+
+/// One copy on the copy stream: a swap-out (`to_host`) or a prefetch of `unit`'s activations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyEvent {
+    pub unit: usize,
+    pub to_host: bool,
+    pub start: f64,
+    pub end: f64,
+    pub bytes: u64,
 }
 
 impl Outcome {
@@ -165,6 +180,8 @@ struct Sim<'a> {
     curve: Vec<CurvePoint>,
     prefetch: Vec<(usize, usize)>,
     deadlines: Vec<(Stage, usize)>,
+    copies: Vec<CopyEvent>,
+    replays: Vec<(usize, usize, f64, f64)>,
 }
 
 impl<'a> Sim<'a> {
@@ -280,6 +297,9 @@ impl<'a> Sim<'a> {
         let end = start + dur;
         self.copy_free = end;
         self.copy_time += dur;
+        if self.record {
+            self.copies.push(CopyEvent { unit: u, to_host: true, start, end, bytes: self.g.act[u] });
+        }
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
         self.s.host[u] = true;
@@ -301,6 +321,9 @@ impl<'a> Sim<'a> {
         let end = start + dur;
         self.copy_free = end;
         self.copy_time += dur;
+        if self.record {
+            self.copies.push(CopyEvent { unit: u, to_host: false, start, end, bytes: self.g.act[u] });
+        }
         self.mem += self.g.act[u];
         self.touch(self.mem);
         self.s.resident[u] = true;
@@ -341,6 +364,9 @@ impl<'a> Sim<'a> {
         // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
         // its transient and gradients).
         self.make_room(g.act[u] + g.replay_extra[u] + g.bwd_transient[i] + g.grad[i]);
+        if self.record {
+            self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
+        }
         self.t += g.fwd_time[u];
         self.recompute += g.fwd_time[u];
         self.mem += g.act[u];
@@ -398,6 +424,8 @@ pub fn evaluate(
         curve: Vec::new(),
         prefetch: Vec::new(),
         deadlines: Vec::new(),
+        copies: Vec::new(),
+        replays: Vec::new(),
     };
     if g.constant > budget {
         sim.excess = g.constant - budget;
@@ -516,6 +544,8 @@ pub fn evaluate(
         curve: sim.curve,
         prefetch: sim.prefetch,
         swap_deadlines: sim.deadlines,
+        copies: sim.copies,
+        replays: sim.replays,
     }
 }
 

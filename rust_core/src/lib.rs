@@ -24,6 +24,6 @@ mod python;
 
 pub use action::Action;
 pub use error::{CoreError, Result};
-pub use evaluator::{evaluate, EvalOptions, Outcome, Score, Scratch, Stage};
+pub use evaluator::{evaluate, CopyEvent, EvalOptions, Outcome, Score, Scratch, Stage};
 pub use plan::Plan;
 pub use profile::{Graph, Profile};

@@ -1,0 +1,79 @@
+"""``tensorplace-bench``: the numbers behind docs/benchmarks.md and docs/results.md, reproducible
+from a shell.
+
+    tensorplace-bench demo                       # plan() and run() on a real model, measured
+    tensorplace-bench accuracy                   # predicted vs measured, several plans, real model
+    tensorplace-bench profile --model resnet18 -o r18.profile.json   # on the GPU machine
+    tensorplace-bench plan r18.profile.json --budget 6GiB -o r18.plan.json   # anywhere
+    tensorplace-bench maxbatch --model resnet18 --memory 300MiB   # largest batch per method, measured
+    tensorplace-bench maxbatch --builtin vgg16 --memory 11GiB     # the same, predicted on a builtin profile
+    tensorplace-bench compare --model resnet50   # methods side by side on a builtin profile
+    tensorplace-bench convergence --model inception_v3 --png conv.png
+    tensorplace-bench timeline --model resnet50 --png timeline.png
+    tensorplace-bench models                     # the model zoo
+
+Real models (``--model``): the package's examples (gpt, tinygpt, inception), any torchvision
+classification model by name, or your own as ``package.module:factory``; inputs are synthetic.
+Every subcommand takes ``--json PATH`` and writes the figures it prints there (with the command
+line, the device and the versions). Measured figures are labelled with the device.
+
+Adding a subcommand: write a module with ``add_cli(subparsers)`` that adds its parser and sets
+``fn`` (``p.set_defaults(fn=...)``), a function taking the parsed arguments and returning the exit
+code, which puts its figures into ``args.out`` (``args.out["rows"] = [...]``); then add one line
+``your_module.add_cli,`` to ``COMMANDS`` below. Shared helpers (model zoo, measuring, tables,
+progress bars, argument types) are in ``tensorplace.bench.common``. ``--json`` is added to
+every subcommand by ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, List, Optional, Sequence
+
+from . import accuracy, compare, convergence, demo, maxbatch, plan, profile, timeline, zoo
+from .common import Output, versions, where, write_json
+
+# One line per subcommand: its module's add_cli(subparsers).
+COMMANDS: List[Callable[[Any], None]] = [
+    demo.add_cli,
+    accuracy.add_cli,
+    profile.add_cli,
+    plan.add_cli,
+    maxbatch.add_cli,
+    compare.add_cli,
+    convergence.add_cli,
+    timeline.add_cli,
+    zoo.add_cli,
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tensorplace-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add_cli in COMMANDS:
+        add_cli(sub)
+    for p in sub.choices.values():
+        if not any("--json" in act.option_strings for act in p._actions):
+            p.add_argument("--json", metavar="PATH", help="write the figures this command prints to PATH as JSON")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    a.out = Output()
+    rc = 1
+    try:
+        rc = int(a.fn(a))
+    finally:
+        if getattr(a, "json", None):
+            payload = {"command": a.cmd, "argv": argv, "exit_code": rc, "device": where(), "versions": versions()}
+            payload.update(a.out.data)
+            write_json(a.json, payload)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
