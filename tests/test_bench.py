@@ -291,3 +291,15 @@ def test_maxbatch_on_a_real_model_is_confirmed_by_measured_steps(capsys, tmp_pat
     assert rows["pso"]["predicted_batch"] >= rows["unplanned"]["confirmed_batch"]
     table = rich_rows(out)
     assert table["pso"][1] == str(rows["pso"]["confirmed_batch"])
+
+
+def test_progress_bars_nest(monkeypatch, capsys):
+    """maxbatch profiles inside its own bar: nested bars share one live display."""
+    monkeypatch.setattr(common, "_FORCE_PROGRESS", True)
+    with common.progress("outer", total=2) as outer:
+        with common.progress("inner") as inner:
+            assert inner._p is outer._p is common._ACTIVE and inner._t != outer._t
+        outer.advance()
+        assert [t.description for t in outer._p.tasks] == ["outer"]
+    assert common._ACTIVE is None
+    assert "outer" in capsys.readouterr().err

@@ -15,6 +15,7 @@ def cmd_accuracy(a: argparse.Namespace) -> int:
     from ..api import plan as make_plan
     from ..api import run
 
+    a.methods = common.known_methods(a.methods, a)
     rm = common.model_from_args(a)
     with common.progress(f"measuring unplanned steps of {rm.name}"):
         base = common.measure(rm.model, rm.inputs, rm.loss_fn, a.repeats)
@@ -22,7 +23,6 @@ def cmd_accuracy(a: argparse.Namespace) -> int:
         probe = make_plan(rm.model, rm.inputs, base["peak_bytes"], loss_fn=rm.loss_fn, method="retain")
     prof = probe.to_dict()["profile"]
     rows: List[List[Any]] = []
-    a.methods = common.known_methods(a.methods, a)
     with common.progress("planning and measuring", total=len(a.fractions) * len(a.methods)) as bar:
         for frac in a.fractions:
             budget = common.cut_budget(base, prof, frac)

@@ -133,6 +133,10 @@ class _Bar:
             self._p.update(self._t, description=text)
 
 
+_ACTIVE: Any = None  # the live rich Progress, if any (rich allows one live display at a time)
+_FORCE_PROGRESS = False  # tests: draw the bars even when stderr is no terminal
+
+
 @contextlib.contextmanager
 def progress(description: str, total: Optional[float] = None) -> Iterator[_Bar]:
     """A rich progress bar on stderr (a spinner when `total` is None) for work that takes more
@@ -143,13 +147,25 @@ def progress(description: str, total: Optional[float] = None) -> Iterator[_Bar]:
     except ImportError:
         yield _Bar(None, None)
         return
-    console = Console(stderr=True)
+    global _ACTIVE
+    if _ACTIVE is not None:  # nested: another line in the display already live
+        task = _ACTIVE.add_task(description, total=total)
+        try:
+            yield _Bar(_ACTIVE, task)
+        finally:
+            _ACTIVE.remove_task(task)
+        return
+    console = Console(stderr=True, force_terminal=True if _FORCE_PROGRESS else None)
     if not console.is_terminal:
         yield _Bar(None, None)
         return
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as p:
-        yield _Bar(p, p.add_task(description, total=total))
+        _ACTIVE = p
+        try:
+            yield _Bar(p, p.add_task(description, total=total))
+        finally:
+            _ACTIVE = None
 
 
 def save_figure(fig: Any, path: str) -> None:
