@@ -303,3 +303,14 @@ def test_progress_bars_nest(monkeypatch, capsys):
         assert [t.description for t in outer._p.tasks] == ["outer"]
     assert common._ACTIVE is None
     assert "outer" in capsys.readouterr().err
+
+
+def test_json_is_written_as_figures_arrive(tmp_path):
+    """A run that dies later keeps what it measured (the GPU-machine habit)."""
+    path = tmp_path / "o.json"
+    out = common.Output(str(path), {"command": "x"})
+    out.append("rows", {"batch": 3})
+    assert json.loads(path.read_text()) == {"command": "x", "rows": [{"batch": 3}]}
+    out.update(model="m")
+    out.flush(exit_code=0)
+    assert json.loads(path.read_text()) == {"command": "x", "exit_code": 0, "rows": [{"batch": 3}], "model": "m"}

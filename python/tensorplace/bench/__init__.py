@@ -32,7 +32,7 @@ import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from . import accuracy, compare, convergence, demo, maxbatch, plan, profile, timeline, zoo
-from .common import Output, versions, where, write_json
+from .common import Output, versions, where
 
 # One line per subcommand: its module's add_cli(subparsers).
 COMMANDS: List[Callable[[Any], None]] = [
@@ -63,15 +63,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
-    a.out = Output()
+    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions()} if a.json else {}
+    a.out = Output(a.json, header)
     rc = 1
     try:
         rc = int(a.fn(a))
     finally:
-        if getattr(a, "json", None):
-            payload = {"command": a.cmd, "argv": argv, "exit_code": rc, "device": where(), "versions": versions()}
-            payload.update(a.out.data)
-            write_json(a.json, payload)
+        a.out.flush(exit_code=rc)
     return rc
 
 

@@ -56,7 +56,7 @@ def cmd_accuracy(a: argparse.Namespace) -> int:
         ["cut", "method", "budget", "pred peak", "meas peak", "pred ms", "meas ms", "time err"],
         rows,
     )
-    a.out.data.update(model=rm.name, inputs=rm.shapes(),
+    a.out.update(model=rm.name, inputs=rm.shapes(),
                       unplanned={"peak_bytes": base["peak_bytes"], "step_time": base["step_time"]})
     return 0
 

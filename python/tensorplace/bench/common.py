@@ -62,20 +62,34 @@ def search_settings(a: argparse.Namespace) -> Dict[str, Any]:
 
 
 class Output:
-    """The figures a subcommand prints, collected for ``--json``: ``out[key] = value``. The bench's
-    main writes them, with the command line, device and versions, even when the command fails."""
+    """The figures a subcommand prints, collected for ``--json``: ``out[key] = value``,
+    ``out.append(key, row)``. With a path, the file is rewritten after every change, so a run
+    that dies later keeps what it measured; the bench's main writes it once more at the end
+    with the exit code."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Optional[str] = None, header: Optional[Dict[str, Any]] = None) -> None:
+        self.path = path
+        self.header: Dict[str, Any] = dict(header or {})
         self.data: Dict[str, Any] = {}
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.data[key] = value
+        self.flush()
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
 
+    def update(self, **kv: Any) -> None:
+        self.data.update(kv)
+        self.flush()
+
     def append(self, key: str, value: Any) -> None:
         self.data.setdefault(key, []).append(value)
+        self.flush()
+
+    def flush(self, **extra: Any) -> None:
+        if self.path:
+            write_json(self.path, {**self.header, **extra, **self.data})
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -42,7 +42,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
         ["budget pos", "budget"] + list(a.methods),
         rows,
     )
-    a.out.data.update(profile=label, lower_bound_bytes=lb, unplanned_peak_bytes=up)
+    a.out.update(profile=label, lower_bound_bytes=lb, unplanned_peak_bytes=up)
     return 0
 
 

@@ -31,7 +31,7 @@ def cmd_convergence(a: argparse.Namespace) -> int:
     rows = [[i, common.ms(best[i]), common.ms(c["mean"][i]), common.ms(c["worst"][i]), c["feasible"][i]]
             for i in range(0, len(best), step)]
     common.table("convergence (predicted step ms)", ["iteration", "best", "mean", "worst", "feasible"], rows)
-    a.out.data.update(profile=label, budget_bytes=budget, search_seconds=total, evaluations=c.get("evaluations"),
+    a.out.update(profile=label, budget_bytes=budget, search_seconds=total, evaluations=c.get("evaluations"),
                       within_1pct_iteration=k, predicted_step_time=p.predicted["step_time"], convergence=c)
     if a.png:
         plt = common.pyplot()

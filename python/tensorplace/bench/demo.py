@@ -69,7 +69,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     )
     ok = planned["peak_bytes"] <= budget
     print(f"measured peak {'within' if ok else 'OVER'} the budget ({format_bytes(planned['peak_bytes'])} vs {format_bytes(budget)})")
-    a.out.data.update(
+    a.out.update(
         model=rm.name, inputs=rm.shapes(), budget_bytes=budget, search_seconds=search_s,
         unplanned={"peak_bytes": base["peak_bytes"], "step_time": base["step_time"]},
         planned={"peak_bytes": planned["peak_bytes"], "step_time": planned["step_time"]},

@@ -112,7 +112,7 @@ def _builtin(a: argparse.Namespace, methods: List[str]) -> int:
             a.out.append("rows", {"method": method, "max_batch": b, "predicted_step_time": t,
                                   "predicted_samples_per_s": None if t is None else b / t})
     common.table(f"{a.builtin}: largest batch in {format_bytes(memory)} (predicted)", ["method", "max batch", "samples/s"], rows)
-    a.out.data.update(model=a.builtin, memory_bytes=memory, mode="builtin, predicted")
+    a.out.update(model=a.builtin, memory_bytes=memory, mode="builtin, predicted")
     return 0
 
 
@@ -248,7 +248,7 @@ def _real(a: argparse.Namespace, methods: List[str]) -> int:
     common.table(
         f"{r.rm.name} ({r.rm.shapes().split(',')[0]} per probe): largest batch in {format_bytes(memory)}, measured on {common.where()}",
         ["method", "cost model", "confirmed", "measured peak", "step ms", "samples/s", "predicted samples/s"], rows)
-    a.out.data.update(model=r.rm.name, memory_bytes=memory, mode="real, measured", probe_batches=[b1, b2])
+    a.out.update(model=r.rm.name, memory_bytes=memory, mode="real, measured", probe_batches=[b1, b2])
     return 0
 
 

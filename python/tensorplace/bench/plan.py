@@ -36,7 +36,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         raise SystemExit(f"--method {a.method!r}: this planner does not know it; use pso, swap-all, recompute-all, "
                          "retain or exhaustive")
     lb, up = lower_bound(prof), unplanned_peak(prof)
-    a.out.data.update(profile=a.profile, model=prof.get("model"), budget_bytes=a.budget, method=a.method,
+    a.out.update(profile=a.profile, model=prof.get("model"), budget_bytes=a.budget, method=a.method,
                       lower_bound_bytes=lb, unplanned_peak_bytes=up)
     try:
         with common.progress(f"searching ({a.particles} particles x {a.iterations} iterations)"):
@@ -50,7 +50,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     print(f"(unplanned peak {format_bytes(up)}, smallest peak any plan could have {format_bytes(lb)})")
     p.save(a.output)
     print(f"plan saved to {a.output}; use it with tensorplace.run(model, {a.output!r})")
-    a.out.data.update(path=a.output, counts=p.counts(), predicted=p.predicted, actions=p.actions)
+    a.out.update(path=a.output, counts=p.counts(), predicted=p.predicted, actions=p.actions)
     return 0
 
 

@@ -22,7 +22,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
           f"{format_bytes(m['peak_bytes'])}, step {common.ms(m['step_time'])} ms; constant "
           f"{format_bytes(sum(prof['memory'].values()))}; smallest peak any plan could have {format_bytes(lb)}")
     print(f"profile saved to {a.output}; plan it anywhere with: tensorplace-bench plan {a.output} --budget SIZE")
-    a.out.data.update(model=rm.name, inputs=rm.shapes(), path=a.output, units=len(prof["units"]),
+    a.out.update(model=rm.name, inputs=rm.shapes(), path=a.output, units=len(prof["units"]),
                       measured=m, constant_bytes=sum(prof["memory"].values()), lower_bound_bytes=lb,
                       unplanned_peak_bytes=unplanned_peak(prof), d2h_bandwidth=prof["d2h_bandwidth"],
                       h2d_bandwidth=prof["h2d_bandwidth"])

@@ -130,7 +130,7 @@ def cmd_timeline(a: argparse.Namespace) -> int:
     print(f"step {common.ms(planned['step_time'])} ms (unplanned {common.ms(unplanned['step_time'])}); "
           f"copy stream busy {common.ms(d2h)} ms out, {common.ms(h2d)} ms in; stalls {common.ms(planned['swap_stall'])} ms; "
           f"recompute {common.ms(planned['recompute'])} ms; peak {format_bytes(planned['peak_bytes'])} at {planned['peak_stage']}")
-    a.out.data.update(profile=label, method=method, budget_bytes=budget, lower_bound_bytes=lb, unplanned_peak_bytes=up,
+    a.out.update(profile=label, method=method, budget_bytes=budget, lower_bound_bytes=lb, unplanned_peak_bytes=up,
                       stages=stages, planned=planned, unplanned=unplanned, copy_seconds={"d2h": d2h, "h2d": h2d})
     if a.png:
         draw(a.png, title, prof, planned, unplanned, budget)
