@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 
 @st.composite
-def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: bool = True) -> Dict[str, Any]:
+def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: bool = True,
+                 segments: bool = True) -> Dict[str, Any]:
     n = draw(st.integers(1, max_units))
     units: List[Dict[str, Any]] = []
     for i in range(n):
@@ -47,6 +48,19 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
         if u["act_bytes"] > 0 and not readers:
             readers.add(i)
         u["read_by"] = sorted(readers)
+    if segments:
+        # What a unit holds for a replay, split by producer (held_from), and the saved values it
+        # reads of its inputs (saved_from): checkpoint segments use both.
+        for u in units:
+            held_from, left = [], u["held_input_bytes"]
+            for p in u["inputs"]:
+                if not units[p]["output_saved"] and left > 0 and draw(st.booleans()):
+                    b = draw(st.integers(0, left))
+                    held_from.append([p, b])
+                    left -= b
+            u["held_from"] = held_from
+            u["saved_from"] = [[p, min(units[p]["output_bytes"], units[p]["act_bytes"])]
+                               for p in u["inputs"] if units[p]["output_saved"]]
     bw = draw(st.floats(10.0, 10000.0))
     return {
         "format": "tensorplace.profile",
@@ -56,6 +70,7 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
         "memory": {"parameters": draw(st.integers(0, 1000)), "optimizer_state": 0, "inputs": 0, "workspace": 0},
         "d2h_bandwidth": bw,
         "h2d_bandwidth": bw * draw(st.floats(0.5, 2.0)),
+        "copy_engines": draw(st.sampled_from([1, 2])),
         "units": units,
     }
 

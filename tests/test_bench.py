@@ -40,7 +40,8 @@ def rich_rows(text: str) -> dict:
 
 def test_every_subcommand_takes_json():
     sub = next(a for a in parser()._actions if a.dest == "cmd")
-    for name in ("demo", "accuracy", "profile", "plan", "maxbatch", "compare", "convergence", "timeline", "models"):
+    for name in ("demo", "accuracy", "profile", "plan", "maxbatch", "peers", "compare", "convergence", "timeline",
+                 "models"):
         assert name in sub.choices
     for name, p in sub.choices.items():
         assert any("--json" in act.option_strings for act in p._actions), name
@@ -102,11 +103,13 @@ def test_timeline_draws_streams_and_memory(capsys, tmp_path):
         assert s["start"] <= s["compute_start"] <= s["end"] == nxt["start"]
     assert stages[-1]["end"] == pytest.approx(planned["step_time"])
     assert max(s["peak"] for s in stages) == planned["peak_bytes"] <= data["budget_bytes"]
-    # copies: one stream, in order, each as long as its bytes over the bandwidth
+    # copies: in order on each copy queue, each as long as its bytes over the bandwidth
     copies = planned["copies"]
     assert copies, "a plan at 20% of the way from the lower bound swaps something"
-    for c, nxt in zip(copies, copies[1:]):
-        assert c["end"] <= nxt["start"] + 1e-12
+    for q in {c["queue"] for c in copies}:
+        on_q = [c for c in copies if c["queue"] == q]
+        for c, nxt in zip(on_q, on_q[1:]):
+            assert c["end"] <= nxt["start"] + 1e-12
     for c in copies:
         bw = prof["d2h_bandwidth"] if c["direction"] == "d2h" else prof["h2d_bandwidth"]
         assert c["end"] - c["start"] == pytest.approx(c["bytes"] / bw)

@@ -18,6 +18,7 @@ from cuda_exec.cpu_backend import CpuBackend  # noqa: E402
 from cuda_exec.executor import (  # noqa: E402
     PlanMismatchError,
     PlannedModule,
+    run_starts,
     StepAbortedError,
     read_plan,
 )
@@ -63,12 +64,23 @@ def records(model: nn.Module, x: torch.Tensor) -> List[UnitRecord]:
 
 
 def schedule(recs: Sequence[UnitRecord], actions: Sequence[str], ahead: int = 1) -> List[Dict[str, int]]:
-    """Issue each swapped unit's prefetch ``ahead`` stages before its first backward reader."""
+    """Issue each swapped unit's prefetch ``ahead`` stages before its first need: its first
+    backward reader, or the replay of a checkpoint segment that reads it (a segment is replayed
+    when the backward first needs one of its units' activations)."""
     n = len(recs)
+    starts = run_starts(actions)
+    first_need: Dict[int, int] = {}
+    for r in recs:
+        if r.read_by:
+            first_need[starts[r.index]] = max(first_need.get(starts[r.index], -1), max(r.read_by))
     out = []
     for r, a in zip(recs, actions):
         if a == "swap" and r.read_by:
-            out.append({"unit": r.index, "issue_at_backward_of": min(n - 1, max(r.read_by) + ahead)})
+            need = max(r.read_by)
+            for c in recs:
+                if actions[c.index] == "recompute" and r.index in c.saved_inputs:
+                    need = max(need, first_need.get(starts[c.index], -1))
+            out.append({"unit": r.index, "issue_at_backward_of": min(n - 1, need + ahead)})
     return out
 
 

@@ -186,10 +186,13 @@ def test_activation_bytes_are_in_a_sane_range_of_the_measured_peak(resnet_b4):
     above = resnet_b4["measured"]["peak_bytes"] - constant
     acts = sum(u["act_bytes"] for u in units)
     grads = sum(u["grad_bytes"] for u in units)
+    # kernel scratch (oneDNN's backward-weights buffer is sized per thread, and differs between
+    # CPUs) is recorded apart from activations, as stage transients
+    scratch = max(max(u["fwd_transient_bytes"], u["bwd_transient_bytes"]) for u in units)
     # every saved activation is alive at the end of the forward: the peak holds them all
     assert acts <= above
-    # and the peak is not much more than activations plus gradients
-    assert above <= 1.5 * acts + grads
+    # and the peak is not much more than activations, gradients and one stage's scratch
+    assert above <= 1.5 * acts + grads + scratch
 
 
 def test_unplanned_step_stats_agree_with_the_profile(resnet, resnet_b4):

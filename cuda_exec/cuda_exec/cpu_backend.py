@@ -67,6 +67,8 @@ class CpuBackend:
     """Host tier in numpy (``host="numpy"``) or file-backed mmap (``host="mmap"``) memory."""
 
     name = "cpu"
+    #: copies that run at once (one copy thread): the cost model's single copy queue
+    copy_engines = 1
 
     def __init__(
         self,

@@ -332,6 +332,10 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
+    #: copies that run at once: one copy stream today, so one queue in the cost model (the
+    #: device's two copy engines would need a stream per direction)
+    copy_engines = 1
+
     def __init__(self, device: Any = None, *, _runtime: Any = None, _torch: Any = None):
         self._closed = True  # until fully constructed
         if _torch is None:

@@ -45,7 +45,8 @@ can be rebuilt.
 Per unit the tracker records (:class:`UnitRecord`): its inputs (producer units of the tensors its
 module and its glue read, model inputs by position), output bytes, the bytes of the saved tensors
 it owns, whether its output is among them, ``read_by`` (units whose backward reads its saved
-tensors), ``held_input_bytes`` (its inputs that nobody saves) and ``saved_inputs`` (the input units
+tensors), ``held_input_bytes`` (its inputs that nobody saves; ``held_from`` splits off the part
+produced by earlier units, per producer) and ``saved_inputs`` (the input units
 a value of which it reads is saved: a replay gets that value from the producer's activations, so a
 recomputed producer is replayed first). One tracker context covers one forward.
 """
@@ -332,6 +333,10 @@ class UnitRecord:
     #: input units some of whose values this unit reads are saved (among their activations): a
     #: replay of this unit gets those values from the producers' activations, not from held inputs
     saved_inputs: List[int] = field(default_factory=list)
+    #: the part of held_input_bytes produced by earlier units: [(producer, bytes)], producers ascending
+    held_from: List[Tuple[int, int]] = field(default_factory=list)
+    #: bytes of the saved values it reads from earlier units: [(producer, bytes)], ascending
+    saved_from: List[Tuple[int, int]] = field(default_factory=list)
     inplace: bool = False  #: its output is an input it modified in place
     saved_tensors: int = 0  #: packs of tensors it owns (a storage packed twice counts twice)
 
@@ -850,6 +855,8 @@ class UnitTracker:
             saved_producers: Set[int] = set()
             positions: Set[int] = set()
             held: Dict[int, int] = {}
+            held_owner: Dict[int, int] = {}
+            saved_read: Dict[int, Dict[int, int]] = {}
             for ref in seg.inputs:
                 owner = ref.value.owner
                 pos = model_input_position(owner)
@@ -860,8 +867,11 @@ class UnitTracker:
                     producers.add(owner)
                     if ref.value.saved:
                         saved_producers.add(owner)
+                        saved_read.setdefault(owner, {})[ref.value.storage_id] = ref.value.nbytes
                 if not ref.value.saved:
                     held[ref.value.storage_id] = ref.value.nbytes
+                    if 0 <= owner < i:
+                        held_owner.setdefault(ref.value.storage_id, owner)
             rec.inputs = sorted(producers)
             rec.saved_inputs = sorted(saved_producers)
             rec.model_inputs = sorted(positions)
@@ -871,5 +881,10 @@ class UnitTracker:
             rec.act_bytes = sum(self._act[i].values())
             rec.saved_tensors = self._owned_packs[i]
             rec.held_input_bytes = sum(held.values())
+            by_owner: Dict[int, int] = {}
+            for sid, owner in held_owner.items():
+                by_owner[owner] = by_owner.get(owner, 0) + held[sid]
+            rec.held_from = sorted(by_owner.items())
+            rec.saved_from = sorted((owner, sum(per.values())) for owner, per in saved_read.items())
             rec.inplace = self._inplace[i]
             rec.read_by = sorted(self._readers[i], reverse=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -15,7 +16,7 @@ from cuda_exec.units import discover_units
 from ._core import PlannerError
 from .budget import Budget
 from .planning import Plan, plan_profile
-from .profiler import profile_model
+from .profiler import environment, environment_differences, profile_model
 
 
 def _inputs_tuple(example_inputs: Any) -> Tuple[Any, ...]:
@@ -80,6 +81,26 @@ def plan(
     return Plan(data)
 
 
+def _warn_on_environment_change(model: nn.Module, profile: dict) -> None:
+    """Warn once when the plan's profile was measured under other kernels or settings: memory
+    and times can differ (an oneDNN scratch buffer sized per thread, a cuDNN engine, allocator
+    settings), so the plan may not fit its budget."""
+    recorded = profile.get("environment")
+    if not recorded:
+        return
+    p = next(model.parameters(), None)
+    current = environment(p.device if p is not None else "cpu")
+    diff = environment_differences(recorded, current)
+    if diff:
+        warnings.warn(
+            "this plan was profiled under another environment (" + "; ".join(diff) + "): device memory "
+            "and times may differ from the plan's predictions; re-plan here with tensorplace.plan() "
+            "to be sure the budget holds",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 class PlannedTraining(PlannedModule):
     """``run()``'s module: the executor plus the checks that the plan belongs to this model and
     this input shape."""
@@ -98,6 +119,7 @@ class PlannedTraining(PlannedModule):
                     "re-plan with tensorplace.plan(model, example_inputs, budget)"
                 )
             self._expected_inputs = parts.get("inputs")
+        _warn_on_environment_change(model, data.get("profile") or {})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.model.training and torch.is_grad_enabled() and self._expected_inputs is not None:

@@ -70,6 +70,11 @@ class Plan:
         return [dict(p) for p in self._data["prefetch"]]
 
     @property
+    def segment_starts(self) -> List[int]:
+        """Units that start a checkpoint segment (docs/cost-model.md)."""
+        return list(self._data.get("segment_starts", []))
+
+    @property
     def predicted(self) -> Dict[str, Any]:
         return dict(self._data["predicted"])
 
@@ -202,9 +207,21 @@ def plan_profile(
     return Plan(json.loads(data))
 
 
-def evaluate(profile: ProfileLike, actions: Sequence[str], budget: Budget, prefetch_lookahead: int = 2) -> Dict[str, Any]:
-    """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve."""
-    return json.loads(_core.evaluate(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead))
+def evaluate(
+    profile: ProfileLike,
+    actions: Sequence[str],
+    budget: Budget,
+    prefetch_lookahead: int = 2,
+    segment_starts: Optional[Sequence[int]] = None,
+) -> Dict[str, Any]:
+    """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve.
+
+    `segment_starts`: units before which a run of recomputed units is split into checkpoint
+    segments (default: the starts of the profile's repeated blocks; the result says which)."""
+    starts = None if segment_starts is None else [int(u) for u in segment_starts]
+    return json.loads(
+        _core.evaluate(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts)
+    )
 
 
 def lower_bound(profile: ProfileLike) -> int:

@@ -14,15 +14,13 @@ What one profile call runs, all on the user's model and inputs, in training mode
    free of torch's allocator on the model's device with a timestamp; the profiler's hooks drop a
    marker at every stage boundary (see "Stages" below). Memory is the constant memory plus the
    running sum of the signed allocation sizes. The profiler's own op timings are not used.
-3. The **timed steps** (`repeats` of them), run through the executor with the all-retain plan
-   (`cuda_exec.executor.PlannedModule(model, ["retain"] * n, backend=backend)`): perf_counter
-   (CUDA events on a GPU) at every stage boundary; per-stage times and the step time
-   (`measured.step_time`) are medians over the repeats. So the stage times include what the
-   executor does in every planned step whatever the plan (its unit tracker's hooks and
-   TorchFunctionMode, the saved-tensor hooks, the backend's poll at every stage boundary), and
-   the cost model charges it to every plan; the all-retain plan's predicted step time is that of
-   the executor's all-retain step, not of a plain step. Memory is not measured there: the
-   memory step runs the plain model (the executor adds no device memory to an all-retain step).
+3. The **timed steps** (`repeats` of each, interleaved): instrumented steps of the plain model
+   (perf_counter, CUDA events on a GPU, at every stage boundary) give per-stage times, and
+   uninstrumented steps give the step as a user runs it (`measured.step_time`, a median). The
+   instrument's own time (its hooks) is taken out by scaling every stage time by the ratio of the
+   two medians (`measured.instrumented_step_time` keeps the instrumented one), so the stage times
+   add up to the plain step: the cost model charges compute as it is, not the executor's or the
+   profiler's bookkeeping.
 4. The **replay step**: one step through the executor with every unit recomputed, under the
    memory recorder. The executor drops a marker before and after every replay
    (`cuda_exec.executor.MARK_PREFIX`), so each replay's peak above the memory at its start is
@@ -101,7 +99,15 @@ Constant memory
   state a step would create is measured on a throwaway optimizer of the same class over clones
   of that parameter (the user's optimizer and parameters are not touched).
 - inputs: bytes of the storages of the example input tensors.
-- workspace: 0.
+- workspace: on a GPU, what is allocated when the step starts beyond the above (cuBLAS keeps a
+  workspace per handle, allocated before the first step); 0 on a CPU.
+
+Environment
+-----------
+`environment` records what changes the kernels and their memory (torch version, threads, CPU
+capability, oneDNN, cuDNN flags, device, allocator variables); `run()` warns when it differs.
+`copy_engines`: copies that can run at once in the executor's backend (1 for the CPU backend's
+copy thread and the CUDA backend's copy stream).
 
 The model is left as found: gradients, buffers (BatchNorm running statistics), training flags
 and torch's RNG states are restored, and every hook is removed, also when a step raises.
@@ -140,6 +146,8 @@ __all__ = [
     "simulate_all_retain",
     "numpy_copy_bandwidth",
     "copy_bandwidth",
+    "environment",
+    "environment_differences",
 ]
 
 PROFILE_FORMAT = "tensorplace.profile"
@@ -695,6 +703,8 @@ class _Instruments:
         return self.clock.now()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
+        if _units_module().is_replaying():  # the executor replays a unit: not a forward stage
+            return
         self._depth += 1
         if self._depth > 1:
             return
@@ -707,6 +717,8 @@ class _Instruments:
         self.seq_start.append(_seq_nr())
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _units_module().is_replaying():
+            return
         self._depth = max(0, self._depth - 1)
 
     def forward_done(self) -> None:
@@ -907,16 +919,84 @@ def _prepare(model: Any, example_inputs: Any, device: Any) -> Tuple[Tuple[Any, .
     return args, dev
 
 
-def _constant_memory(model: nn.Module, args: Sequence[Any], optimizer: Any) -> Dict[str, int]:
+def _constant_memory(model: nn.Module, args: Sequence[Any], optimizer: Any,
+                     at_start: Optional[int] = None) -> Dict[str, int]:
+    """Constant memory (module docstring). `at_start`: bytes allocated on the device when the
+    step starts (CUDA); what the parameters, optimizer state and inputs do not explain there
+    (kernel library workspaces, such as cuBLAS's per-handle workspace) is `workspace`."""
     own = list(model.parameters()) + list(model.buffers())
     own_keys = {_storage_key(t) for t in own}
     inputs = [t for t in _tensors_in(list(args)) if _storage_key(t) not in own_keys]
-    return {
+    out = {
         "parameters": _storage_bytes(own),
         "optimizer_state": _optimizer_state_bytes(optimizer),
         "inputs": _storage_bytes(inputs),
         "workspace": 0,
     }
+    if at_start is not None:
+        out["workspace"] = max(0, int(at_start) - sum(out.values()))
+    return out
+
+
+def _timed_plain_step(model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, clock: "_Clock") -> float:
+    """Seconds of one uninstrumented training step (gradients cleared first)."""
+    _clear_grads(model)
+    clock.sync()
+    t0 = clock.now()
+    _run_step(model, args, loss_fn)
+    t1 = clock.now()
+    clock.sync()
+    return clock.seconds(t0, t1)
+
+
+def _copy_engines(device: torch.device) -> int:
+    """Copies that can run at once in the default backend: 1 (the CPU backend's copy thread, and
+    the CUDA backend's single copy stream)."""
+    mod = _cuda_exec_module("cuda_backend" if device.type == "cuda" else "cpu_backend")
+    cls = getattr(mod, "CudaBackend" if device.type == "cuda" else "CpuBackend", None) if mod is not None else None
+    return int(getattr(cls, "copy_engines", 1))
+
+
+#: Environment variables that change kernels or the device memory a step takes.
+_ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS",
+             "MKL_NUM_THREADS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def environment(device: Any = "cpu") -> Dict[str, Any]:
+    """What changes the kernels a step runs and the memory they take: library versions, threads,
+    CPU capability, oneDNN and cuDNN flags, the device, allocator settings. Recorded in every
+    profile; `tensorplace.run()` warns when a plan runs under another one."""
+    dev = torch.device(device)
+    env: Dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": _device_name(dev),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+        "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
+    }
+    if dev.type == "cuda":
+        env.update({
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "cudnn_enabled": bool(torch.backends.cudnn.enabled),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        })
+    env["variables"] = {k: os.environ[k] for k in _ENV_VARS if k in os.environ}
+    return env
+
+
+def environment_differences(recorded: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """`key: recorded -> current` for every environment setting that differs."""
+    out = []
+    for key in sorted(set(recorded) | set(current)):
+        if key == "torch" and str(recorded.get(key, "")).split("+")[0] == str(current.get(key, "")).split("+")[0]:
+            continue
+        if recorded.get(key) != current.get(key):
+            out.append(f"{key}: {recorded.get(key)!r} -> {current.get(key)!r}")
+    return out
 
 
 def _device_name(device: torch.device) -> str:
@@ -1013,46 +1093,40 @@ def profile_model(
         # The memory step.
         _clear_grads(model)
         gc.collect()
+        at_start = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
         inst = _Instruments(unit_map, kind_of, clock, markers=True, watch_params=trainable)
         with _memory_recording(dev) as events:
             _run_step(model, args, loss_fn, inst=inst)
         _check_sequence(units_mod, expected, inst.sequence, "the memory step")
         peaks, overall = _stage_peaks(events)
         grad_window = dict(inst.grad_window)
-        # The timed steps, through the executor with the all-retain plan: the times include
-        # what the executor does in every planned step (its unit tracker, glue mode and
-        # saved-tensor hooks, the backend's poll at every stage), which the cost model charges
-        # to every plan as part of the stage times.
+        # The timed steps: the plain model, instrumented steps (stage times) interleaved with
+        # uninstrumented ones (the step as a user runs it); the instrument's own time is taken out
+        # by scaling the stage times to the uninstrumented step (module docstring).
         fwd_runs: List[List[float]] = []
         bwd_runs: List[List[float]] = []
         step_runs: List[float] = []
-        planned = executor_mod.PlannedModule(model, ["retain"] * n, backend=backend, units=specs)
-        try:
-            for k in range(int(repeats)):
-                inst = _Instruments(unit_map, kind_of, clock, markers=False)
-                try:
-                    _run_step(planned, args, loss_fn, inst=inst)
-                except executor_mod.PlanMismatchError as exc:
-                    _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
-                    raise ProfilerError(
-                        f"the model ran a different sequence of units in timed step {k + 1} than in "
-                        f"the warm-up step ({exc})"
-                    ) from exc
-                _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
-                fwd, bwd, step = inst.stage_times()
-                fwd_runs.append(fwd)
-                bwd_runs.append(bwd)
-                step_runs.append(step)
-        finally:
-            planned.close()
+        plain_runs: List[float] = []
+        for k in range(int(repeats)):
+            inst = _Instruments(unit_map, kind_of, clock, markers=False)
+            _run_step(model, args, loss_fn, inst=inst)
+            _check_sequence(units_mod, expected, inst.sequence, f"timed step {k + 1}")
+            fwd, bwd, step = inst.stage_times()
+            fwd_runs.append(fwd)
+            bwd_runs.append(bwd)
+            step_runs.append(step)
+            plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
         replays, alive = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev)
         _clear_grads(model)
-        constant = _constant_memory(model, args, optimizer)
+        constant = _constant_memory(model, args, optimizer, at_start=at_start)
     d2h, h2d = copy_bandwidth(dev, backend)
     replay_state = executor_mod.replay_state_bytes(dev)
 
     grads = _grad_bytes(records, unit_map, model, grad_window)
+    plain_step = statistics.median(plain_runs)
+    instrumented_step = statistics.median(step_runs)
+    scale = min(1.0, plain_step / instrumented_step) if instrumented_step > 0 else 1.0
     out_units: List[Dict[str, Any]] = []
     for i, r in enumerate(records):
         out_units.append({
@@ -1060,13 +1134,15 @@ def profile_model(
             "kind": r.kind,
             "inputs": list(r.inputs),
             "model_inputs": list(r.model_inputs),
-            "fwd_time": statistics.median(run[i] for run in fwd_runs),
-            "bwd_time": statistics.median(run[i] for run in bwd_runs),
+            "fwd_time": scale * statistics.median(run[i] for run in fwd_runs),
+            "bwd_time": scale * statistics.median(run[i] for run in bwd_runs),
             "act_bytes": int(r.act_bytes),
             "output_bytes": int(r.output_bytes),
             "output_saved": bool(r.output_saved),
             "read_by": list(r.read_by),
             "held_input_bytes": int(r.held_input_bytes) + replay_state,
+            "held_from": [[int(p), int(b)] for p, b in r.held_from],
+            "saved_from": [[int(p), int(b)] for p, b in r.saved_from],
             "saved_inputs": list(r.saved_inputs),
             "fwd_transient_bytes": 0,
             "bwd_transient_bytes": 0,
@@ -1100,7 +1176,13 @@ def profile_model(
         "memory": constant,
         "d2h_bandwidth": d2h,
         "h2d_bandwidth": h2d,
-        "measured": {"peak_bytes": const_total + overall, "step_time": statistics.median(step_runs)},
+        "measured": {
+            "peak_bytes": const_total + overall,
+            "step_time": plain_step,
+            "instrumented_step_time": instrumented_step,
+        },
+        "copy_engines": int(getattr(backend, "copy_engines", 1)) if backend is not None else _copy_engines(dev),
+        "environment": environment(dev),
         "units": out_units,
     }
 

@@ -1,5 +1,6 @@
 //! The policy evaluator (HOME Algorithm 2): a deterministic simulation of one training step over
-//! a compute stream and one FIFO copy stream. The rules are written down in docs/cost-model.md;
+//! a compute stream and one FIFO copy stream (or one per direction when the device has two copy
+//! engines). The rules are written down in docs/cost-model.md;
 //! this file is their only implementation.
 
 use crate::action::Action;
@@ -85,6 +86,9 @@ pub struct Outcome {
     pub cancelled_swaps: usize,
     pub peak_bytes: u64,
     pub peak_stage: Stage,
+    /// Memory when the step ends: the constant memory and the gradients (every activation,
+    /// held input and host copy has been let go).
+    pub end_bytes: u64,
     pub feasible: bool,
     pub excess: u64,
     pub reason: Option<String>,
@@ -106,6 +110,8 @@ pub struct Outcome {
 pub struct CopyEvent {
     pub unit: usize,
     pub to_host: bool,
+    /// The copy queue: 0, or 1 for prefetches when the profile has two copy engines.
+    pub queue: usize,
     pub start: f64,
     pub end: f64,
     pub bytes: u64,
@@ -128,6 +134,21 @@ pub struct Scratch {
     held: Vec<bool>,
     /// Bytes of a dropped or swapped-out unit's activations the forward still references.
     lingering: Vec<u64>,
+    /// First unit of the run of consecutive recomputed units that contains the unit (the unit
+    /// itself when it is not recomputed).
+    run_start: Vec<usize>,
+    /// Bytes a recomputed unit holds from its forward to its replay under this plan: its held
+    /// inputs less those its run's replay regenerates.
+    held_bytes: Vec<u64>,
+    /// Bytes of saved values of other segments' recomputed units that a recomputed unit holds
+    /// from its forward to its own backward (its replay reuses them as its saved tensors).
+    held_saved: Vec<u64>,
+    /// A recomputed unit's replay regenerates a value a later unit of its run reads.
+    feeds_run: Vec<bool>,
+    /// Per producer, the run that last charged holding its values (dedupes a run's held inputs).
+    charged_run: Vec<usize>,
+    /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
+    replayed: Vec<bool>,
     queue: Vec<(f64, u32)>,
 }
 
@@ -151,6 +172,18 @@ impl Scratch {
         self.held.resize(n, false);
         self.lingering.clear();
         self.lingering.resize(n, 0);
+        self.run_start.clear();
+        self.run_start.resize(n, 0);
+        self.held_bytes.clear();
+        self.held_bytes.resize(n, 0);
+        self.held_saved.clear();
+        self.held_saved.resize(n, 0);
+        self.feeds_run.clear();
+        self.feeds_run.resize(n, false);
+        self.charged_run.clear();
+        self.charged_run.resize(n, usize::MAX);
+        self.replayed.clear();
+        self.replayed.resize(n, false);
         self.queue.clear();
     }
 }
@@ -164,7 +197,10 @@ struct Sim<'a> {
     s: &'a mut Scratch,
     head: usize,
     t: f64,
-    copy_free: f64,
+    /// When each copy queue is free: [device-to-host, host-to-device] (the same queue, index 0,
+    /// with one copy engine).
+    copy_free: [f64; 2],
+    h2d_queue: usize,
     mem: u64,
     peak: u64,
     peak_stage: Stage,
@@ -287,18 +323,23 @@ impl<'a> Sim<'a> {
     fn release_held(&mut self, u: usize) {
         if self.s.held[u] {
             self.s.held[u] = false;
-            self.mem -= self.g.held[u];
+            self.mem -= self.s.held_bytes[u];
         }
+    }
+
+    /// `p` is recomputed in the same run of consecutive recomputed units as `u` (p < u).
+    fn in_run_of(&self, p: usize, u: usize) -> bool {
+        self.actions[u] == Action::Recompute && self.s.run_start[u] <= p
     }
 
     fn issue_swap_out(&mut self, u: usize) {
         let dur = self.g.act[u] as f64 / self.g.d2h;
-        let start = self.t.max(self.copy_free);
+        let start = self.t.max(self.copy_free[0]);
         let end = start + dur;
-        self.copy_free = end;
+        self.copy_free[0] = end;
         self.copy_time += dur;
         if self.record {
-            self.copies.push(CopyEvent { unit: u, to_host: true, start, end, bytes: self.g.act[u] });
+            self.copies.push(CopyEvent { unit: u, to_host: true, queue: 0, start, end, bytes: self.g.act[u] });
         }
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
@@ -317,12 +358,13 @@ impl<'a> Sim<'a> {
             return;
         }
         let dur = self.g.act[u] as f64 / self.g.h2d;
-        let start = self.t.max(self.copy_free);
+        let q = self.h2d_queue;
+        let start = self.t.max(self.copy_free[q]);
         let end = start + dur;
-        self.copy_free = end;
+        self.copy_free[q] = end;
         self.copy_time += dur;
         if self.record {
-            self.copies.push(CopyEvent { unit: u, to_host: false, start, end, bytes: self.g.act[u] });
+            self.copies.push(CopyEvent { unit: u, to_host: false, queue: q, start, end, bytes: self.g.act[u] });
         }
         self.mem += self.g.act[u];
         self.touch(self.mem);
@@ -357,18 +399,34 @@ impl<'a> Sim<'a> {
     fn replay(&mut self, u: usize, i: usize) {
         let g = self.g;
         for &p in &g.replay_inputs[u] {
-            if g.act[p] > 0 {
+            // A value of a unit recomputed in another run is held since the forward (as
+            // torch.utils.checkpoint keeps its inputs); everything else is made resident.
+            let held = self.actions[p] == Action::Recompute && p < self.s.run_start[u];
+            if g.act[p] > 0 && !held {
                 self.ensure(p, i);
+            }
+        }
+        // Unsaved values of earlier units of the same recompute run: the run's replay regenerates
+        // them (their producer replays first) and they live until this replay has run.
+        let mut regenerated = 0u64;
+        for k in 0..g.held_from[u].len() {
+            let (p, b) = g.held_from[u][k];
+            if self.in_run_of(p, u) {
+                if !self.s.replayed[p] {
+                    self.replay(p, i);
+                }
+                regenerated += b;
             }
         }
         // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
         // its transient and gradients).
-        self.make_room(g.act[u] + g.replay_extra[u] + g.bwd_transient[i] + g.grad[i]);
+        self.make_room(g.act[u] + g.replay_extra[u] + regenerated + g.bwd_transient[i] + g.grad[i]);
         if self.record {
             self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
         }
         self.t += g.fwd_time[u];
         self.recompute += g.fwd_time[u];
+        self.s.replayed[u] = true;
         self.mem += g.act[u];
         self.s.resident[u] = true;
         self.s.ready[u] = self.t;
@@ -385,7 +443,8 @@ impl<'a> Sim<'a> {
     }
 }
 
-/// Evaluate `actions` on the profile graph under `budget` bytes.
+/// Evaluate `actions` on the profile graph under `budget` bytes, with the graph's default
+/// checkpoint segments (a run of recomputed units is split at the start of every repeated block).
 ///
 /// `record` fills the memory curve and the prefetch schedule (slower; the search passes false).
 pub fn evaluate(
@@ -396,7 +455,22 @@ pub fn evaluate(
     scratch: &mut Scratch,
     record: bool,
 ) -> Outcome {
+    evaluate_segments(g, actions, &g.block_start, budget, opts, scratch, record)
+}
+
+/// Evaluate with explicit checkpoint segments: `starts[u]` splits a run of recomputed units
+/// before unit `u` (docs/cost-model.md, "Checkpoint segments").
+pub fn evaluate_segments(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    record: bool,
+) -> Outcome {
     assert_eq!(actions.len(), g.n, "one action per unit");
+    assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
     scratch.reset(n);
     let mut sim = Sim {
@@ -408,7 +482,8 @@ pub fn evaluate(
         s: scratch,
         head: 0,
         t: 0.0,
-        copy_free: 0.0,
+        copy_free: [0.0; 2],
+        h2d_queue: if g.copy_engines >= 2 { 1 } else { 0 },
         mem: g.constant,
         peak: g.constant,
         peak_stage: Stage::Start,
@@ -435,13 +510,46 @@ pub fn evaluate(
         ));
     }
 
+    // Runs of consecutive recomputed units, and what each recomputed unit holds under this plan.
+    for u in 0..n {
+        let joins = u > 0 && !starts[u] && actions[u] == Action::Recompute && actions[u - 1] == Action::Recompute;
+        sim.s.run_start[u] = if joins { sim.s.run_start[u - 1] } else { u };
+    }
+    for u in 0..n {
+        if actions[u] != Action::Recompute {
+            continue;
+        }
+        let run = sim.s.run_start[u];
+        let mut held = g.held[u];
+        // Unsaved values: regenerated when produced in the run, else held once per run.
+        for &(p, b) in &g.held_from[u] {
+            if run <= p {
+                held -= b;
+                sim.s.feeds_run[p] = true;
+            } else if sim.s.charged_run[p] == run {
+                held -= b;
+            } else {
+                sim.s.charged_run[p] = run;
+            }
+        }
+        sim.s.held_bytes[u] = held;
+        // Saved values of a unit recomputed in another segment: held, once per segment, until the
+        // backward of the first unit of the segment that reads them.
+        for &(p, b) in &g.saved_from[u] {
+            if p < run && actions[p] == Action::Recompute && sim.s.charged_run[p] != run {
+                sim.s.charged_run[p] = run;
+                sim.s.held_saved[u] += b;
+            }
+        }
+    }
+
     // Forward stages.
     for i in 0..n {
         let t0 = sim.t;
         sim.begin_stage(Stage::Fwd(i));
         let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
         if actions[i] == Action::Recompute {
-            alloc += g.held[i];
+            alloc += sim.s.held_bytes[i] + sim.s.held_saved[i];
             sim.s.held[i] = true;
         }
         sim.make_room(alloc + g.fwd_transient[i]);
@@ -452,6 +560,11 @@ pub fn evaluate(
         for &u in &g.releases_after_fwd[i] {
             if !g.out_saved[u] {
                 sim.mem -= g.out[u];
+            }
+            if actions[u] == Action::Recompute {
+                // Nothing of it stays (a unit without activations too): a replay of its run
+                // must run it again to regenerate what a later unit of the run reads.
+                sim.s.resident[u] = false;
             }
             if g.act[u] == 0 {
                 continue;
@@ -471,10 +584,10 @@ pub fn evaluate(
         sim.touch(sim.mem);
         sim.end_stage(t0);
     }
-    // A recomputed unit without activations is never replayed: its held inputs leave when the
-    // forward ends.
+    // A recomputed unit without activations is never replayed (unless its run's replay needs a
+    // value it produces): its held inputs leave when the forward ends.
     for u in 0..n {
-        if actions[u] == Action::Recompute && g.act[u] == 0 {
+        if actions[u] == Action::Recompute && g.act[u] == 0 && !sim.s.feeds_run[u] {
             sim.release_held(u);
         }
     }
@@ -505,6 +618,14 @@ pub fn evaluate(
         }
         for k in 0..g.needs[i].len() {
             let u = g.needs[i][k];
+            // What a recomputed unit saved of another segment's recomputed unit is its held input:
+            // its own segment's replay hands it back.
+            if actions[i] == Action::Recompute && actions[u] == Action::Recompute && u < sim.s.run_start[i] {
+                if !sim.s.replayed[i] {
+                    sim.replay(i, i);
+                }
+                continue;
+            }
             sim.ensure(u, i);
         }
         sim.make_room(g.bwd_transient[i] + g.grad[i]);
@@ -521,6 +642,7 @@ pub fn evaluate(
         }
         if actions[i] == Action::Recompute {
             sim.release_held(i);
+            sim.mem -= std::mem::take(&mut sim.s.held_saved[i]);
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
@@ -538,6 +660,7 @@ pub fn evaluate(
         cancelled_swaps: sim.cancelled,
         peak_bytes: sim.peak,
         peak_stage: sim.peak_stage,
+        end_bytes: sim.mem,
         feasible,
         excess: sim.excess,
         reason: if feasible { None } else { sim.reason },

@@ -6,6 +6,7 @@
 //! - [`peak`]: peak analysis and the lower bound of any plan.
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3).
 //! - [`exhaustive`]: every plan of a tiny profile.
+//! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
 
 pub mod action;
@@ -17,6 +18,7 @@ pub mod plan;
 pub mod planner;
 pub mod profile;
 pub mod pso;
+pub mod recipes;
 pub mod versioned;
 
 #[cfg(feature = "python")]
@@ -24,6 +26,6 @@ mod python;
 
 pub use action::Action;
 pub use error::{CoreError, Result};
-pub use evaluator::{evaluate, CopyEvent, EvalOptions, Outcome, Score, Scratch, Stage};
+pub use evaluator::{evaluate, evaluate_segments, CopyEvent, EvalOptions, Outcome, Score, Scratch, Stage};
 pub use plan::Plan;
 pub use profile::{Graph, Profile};

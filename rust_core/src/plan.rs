@@ -70,6 +70,10 @@ pub struct Plan {
     pub prefetch: Vec<Prefetch>,
     #[serde(default)]
     pub swap_deadlines: Vec<SwapDeadline>,
+    /// Units that start a checkpoint segment: a run of recomputed units is split before each
+    /// (docs/cost-model.md). Absent in a plan file: none.
+    #[serde(default)]
+    pub segment_starts: Vec<usize>,
     pub predicted: Predicted,
     #[serde(default)]
     pub model_fingerprint: Option<String>,
@@ -105,6 +109,7 @@ impl Plan {
                 .iter()
                 .map(|&(stage, unit)| SwapDeadline { unit, before: stage.label() })
                 .collect(),
+            segment_starts: Vec::new(),
             predicted: Predicted::from_outcome(outcome),
             model_fingerprint: None,
             convergence: None,

@@ -75,6 +75,18 @@ pub struct Unit {
     pub lingering_bytes: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lingering_until: Option<i64>,
+    /// The part of `held_input_bytes` that comes from earlier units' unsaved values, as
+    /// `[producer, bytes]` pairs. When the producer is recomputed in the same run of consecutive
+    /// recomputed units, the run's replay regenerates the value and nothing is held for it.
+    /// Absent: all held inputs are held whatever the plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_from: Option<Vec<[i64; 2]>>,
+    /// Bytes of saved values this unit reads from earlier units, as `[producer, bytes]` pairs
+    /// (a part of the producer's `act_bytes`). A recomputed unit holds those of a producer
+    /// recomputed in another checkpoint segment, as torch.utils.checkpoint holds its inputs.
+    /// Absent: such values are not charged to the reader.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_from: Option<Vec<[i64; 2]>>,
 }
 
 fn default_kind() -> String {
@@ -100,6 +112,14 @@ pub struct Profile {
     pub h2d_bandwidth: f64,
     #[serde(default)]
     pub measured: Measured,
+    /// Copy engines that can run at once: 2 when device-to-host and host-to-device copies overlap
+    /// (one queue per direction), 1 otherwise (one FIFO queue). Absent: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_engines: Option<u32>,
+    /// What the profile was measured under (library versions, threads, kernels, allocator
+    /// settings): descriptive, compared by `run()`, not part of the fingerprint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<serde_json::Value>,
     pub units: Vec<Unit>,
 }
 
@@ -116,6 +136,15 @@ pub struct Graph {
     pub out: Vec<u64>,
     pub out_saved: Vec<bool>,
     pub held: Vec<u64>,
+    /// Per unit, `held_from` as (producer, bytes) pairs (empty when the profile has none).
+    pub held_from: Vec<Vec<(usize, u64)>>,
+    /// Per unit, `saved_from` as (producer, bytes) pairs (empty when the profile has none).
+    pub saved_from: Vec<Vec<(usize, u64)>>,
+    /// Default checkpoint segment boundaries: `block_start[u]` when unit u starts a repeated
+    /// block (recipes::repeated_blocks); a run of recomputed units is split there.
+    pub block_start: Vec<bool>,
+    /// 1: one FIFO copy queue; 2: one queue per direction.
+    pub copy_engines: usize,
     pub fwd_transient: Vec<u64>,
     pub bwd_transient: Vec<u64>,
     pub grad: Vec<u64>,
@@ -188,6 +217,12 @@ impl Profile {
             if let (Some(b), Some(t)) = (u.lingering_bytes, u.lingering_until) {
                 h.update(format!("lingering{b}@{t};"));
             }
+            if let Some(hf) = &u.held_from {
+                h.update(format!("held_from{hf:?};"));
+            }
+            if let Some(sf) = &u.saved_from {
+                h.update(format!("saved_from{sf:?};"));
+            }
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
@@ -204,6 +239,12 @@ impl Profile {
                     "{what} is {bw}; it must be a positive number of bytes per second"
                 )));
             }
+        }
+        let copy_engines = self.copy_engines.unwrap_or(1);
+        if !(1..=2).contains(&copy_engines) {
+            return Err(CoreError::InvalidProfile(format!(
+                "copy_engines is {copy_engines}; it must be 1 (one copy queue) or 2 (one per direction)"
+            )));
         }
         // Unknown inputs and cycles first, then order.
         for (i, u) in self.units.iter().enumerate() {
@@ -284,6 +325,32 @@ impl Profile {
                             u.name
                         )));
                     }
+                }
+            }
+            for &[p, b] in u.saved_from.iter().flatten() {
+                if p < 0 || p >= i as i64 || b < 0 {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) has saved_from entry [{p}, {b}]; it must be [an earlier unit 0..{i}, bytes >= 0]",
+                        u.name
+                    )));
+                }
+            }
+            if let Some(hf) = &u.held_from {
+                let mut total = 0i64;
+                for &[p, b] in hf {
+                    if p < 0 || p >= i as i64 || b < 0 {
+                        return Err(CoreError::InvalidProfile(format!(
+                            "unit {i} ({}) has held_from entry [{p}, {b}]; it must be [an earlier unit 0..{i}, bytes >= 0]",
+                            u.name
+                        )));
+                    }
+                    total += b;
+                }
+                if total > u.held_input_bytes {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) has held_from summing to {total} bytes, above its held_input_bytes ({}); it is a part of them",
+                        u.name, u.held_input_bytes
+                    )));
                 }
             }
             if u.act_bytes > 0 && u.read_by.is_empty() {
@@ -407,6 +474,32 @@ impl Profile {
             out: u64s(&|u| u.output_bytes),
             out_saved: self.units.iter().map(|u| u.output_saved).collect(),
             held: u64s(&|u| u.held_input_bytes),
+            held_from: self
+                .units
+                .iter()
+                .enumerate()
+                .map(|(i, u)| match &u.held_from {
+                    Some(hf) => hf.iter().map(|&[p, b]| (p as usize, b as u64)).collect(),
+                    None => self.derived_held_from(i, &g_inputs[i], &replay_inputs[i]),
+                })
+                .collect(),
+            saved_from: self
+                .units
+                .iter()
+                .enumerate()
+                .map(|(i, u)| match &u.saved_from {
+                    Some(sf) => sf.iter().map(|&[p, b]| (p as usize, b as u64)).collect(),
+                    None => replay_inputs[i].iter().map(|&p| (p, self.saved_value_bytes(p))).collect(),
+                })
+                .collect(),
+            block_start: {
+                let mut starts = vec![false; n];
+                for (a, _) in crate::recipes::repeated_blocks(self) {
+                    starts[a] = true;
+                }
+                starts
+            },
+            copy_engines: copy_engines as usize,
             fwd_transient: u64s(&|u| u.fwd_transient_bytes),
             bwd_transient: u64s(&|u| u.bwd_transient_bytes),
             grad: u64s(&|u| u.grad_bytes),
@@ -424,6 +517,33 @@ impl Profile {
             releases_after_fwd,
             need_order,
         })
+    }
+}
+
+impl Profile {
+    /// `held_from` of a profile without it: the unit's held bytes, attributed to its inputs whose
+    /// output is not saved (and that it does not read saved values of), up to their output size.
+    fn derived_held_from(&self, i: usize, inputs: &[usize], saved: &[usize]) -> Vec<(usize, u64)> {
+        let mut left = self.units[i].held_input_bytes.max(0) as u64;
+        let mut out = Vec::new();
+        for &p in inputs {
+            let q = &self.units[p];
+            if q.output_saved || saved.contains(&p) || left == 0 {
+                continue;
+            }
+            let b = (q.output_bytes.max(0) as u64).min(left);
+            left -= b;
+            out.push((p, b));
+        }
+        out
+    }
+
+    /// Bytes of the saved value a reader takes from unit `p` in a profile without `saved_from`:
+    /// its output when saved, else (a saved glue value) its activations.
+    fn saved_value_bytes(&self, p: usize) -> u64 {
+        let q = &self.units[p];
+        let b = if q.output_saved { q.output_bytes.min(q.act_bytes) } else { q.act_bytes };
+        b.max(0) as u64
     }
 }
 

@@ -37,6 +37,9 @@ pub struct PsoSettings {
     pub patience: Option<usize>,
     /// Skip particles at a fixed point of the sweep (exact; off only to test that it is).
     pub skip_fixed_points: bool,
+    /// Plans to start particles at (after the extremes), such as the checkpointing recipes, so
+    /// the search is never worse than they are. Each must have one action per unit.
+    pub seeds: Vec<Vec<Action>>,
 }
 
 impl Default for PsoSettings {
@@ -50,6 +53,7 @@ impl Default for PsoSettings {
             mutation: 0.0,
             patience: None,
             skip_fixed_points: true,
+            seeds: Vec::new(),
         }
     }
 }
@@ -166,10 +170,19 @@ pub fn search(
     let m = settings.particles;
     let started = Instant::now();
 
+    if let Some(bad) = settings.seeds.iter().find(|s| s.len() != n) {
+        return Err(CoreError::InvalidSetting(format!(
+            "a seed plan has {} actions but the profile has {n} units",
+            bad.len()
+        )));
+    }
+    let extremes = if settings.seed_extremes { 3 } else { 0 };
     let mut positions: Vec<Vec<Action>> = (0..m)
         .map(|i| {
-            if settings.seed_extremes && i < 3 {
+            if i < extremes {
                 vec![Action::ALL[i]; n]
+            } else if i < extremes + settings.seeds.len() {
+                settings.seeds[i - extremes].clone()
             } else {
                 random_plan(n, &mut particle_rng(settings.seed, i, u64::MAX))
             }

@@ -2,7 +2,7 @@
 
 use crate::action::Action;
 use crate::error::CoreError;
-use crate::evaluator::{evaluate as run_evaluate, EvalOptions, Outcome, Scratch};
+use crate::evaluator::{evaluate_segments, EvalOptions, Outcome, Scratch};
 use crate::peak;
 use crate::plan::Plan;
 use crate::planner::{make_plan as run_make_plan, PlanSettings};
@@ -60,7 +60,7 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         .copies
         .iter()
         .map(|c| {
-            json!({"unit": c.unit, "direction": if c.to_host { "d2h" } else { "h2d" }, "start": c.start,
+            json!({"unit": c.unit, "direction": if c.to_host { "d2h" } else { "h2d" }, "queue": c.queue, "start": c.start,
                    "end": c.end, "bytes": c.bytes})
         })
         .collect();
@@ -73,7 +73,8 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         "step_time": o.step_time, "compute_time": o.compute_time, "swap_stall": o.swap_stall,
         "recompute": o.recompute, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
         "cancelled_swaps": o.cancelled_swaps,
-        "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "feasible": o.feasible,
+        "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "end_bytes": o.end_bytes,
+        "feasible": o.feasible,
         "excess": o.excess, "reason": o.reason, "curve": curve, "prefetch": prefetch,
         "swap_deadlines": deadlines, "copies": copies, "replays": replays,
     })
@@ -93,13 +94,37 @@ fn profile_fingerprint(profile_json: &str) -> PyResult<String> {
 
 /// Evaluate a plan: returns the outcome as JSON text.
 #[pyfunction]
-#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2))]
-fn evaluate(profile_json: &str, actions: Vec<String>, budget: u64, prefetch_lookahead: usize) -> PyResult<String> {
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None))]
+fn evaluate(
+    profile_json: &str,
+    actions: Vec<String>,
+    budget: u64,
+    prefetch_lookahead: usize,
+    segment_starts: Option<Vec<usize>>,
+) -> PyResult<String> {
     let p = parse_profile(profile_json)?;
     let g = p.graph().map_err(to_py)?;
     let a = parse_actions(actions, g.n)?;
-    let o = run_evaluate(&g, &a, budget, &EvalOptions { prefetch_lookahead }, &mut Scratch::new(g.n), true);
-    Ok(outcome_json(&o).to_string())
+    let starts = match segment_starts {
+        None => g.block_start.clone(),
+        Some(list) => {
+            let mut starts = vec![false; g.n];
+            for u in list {
+                if u >= g.n {
+                    return Err(PlannerError::new_err(format!(
+                        "segment start {u} is not a unit; the profile has units 0..{}",
+                        g.n - 1
+                    )));
+                }
+                starts[u] = true;
+            }
+            starts
+        }
+    };
+    let o = evaluate_segments(&g, &a, &starts, budget, &EvalOptions { prefetch_lookahead }, &mut Scratch::new(g.n), true);
+    let mut js = outcome_json(&o);
+    js["segment_starts"] = json!((0..g.n).filter(|&u| starts[u]).collect::<Vec<_>>());
+    Ok(js.to_string())
 }
 
 /// (lower bound in bytes, stage label).
@@ -148,7 +173,7 @@ fn make_plan(
     let p = parse_profile(profile_json)?;
     let settings = PlanSettings {
         eval: EvalOptions { prefetch_lookahead },
-        pso: PsoSettings { particles, iterations, seed, threads, seed_extremes, mutation, patience, skip_fixed_points: true },
+        pso: PsoSettings { particles, iterations, seed, threads, seed_extremes, mutation, patience, skip_fixed_points: true, seeds: Vec::new() },
     };
     let method = method.to_string();
     let plan = py.allow_threads(move || run_make_plan(&p, budget, &method, &settings, |_, _| {}));

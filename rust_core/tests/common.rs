@@ -22,6 +22,8 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         replay_transient_bytes: None,
         lingering_bytes: None,
         lingering_until: None,
+        held_from: None,
+        saved_from: None,
     }
 }
 
@@ -51,6 +53,8 @@ pub fn profile(units: Vec<Unit>, constant: u64, bw: f64) -> Profile {
         d2h_bandwidth: bw,
         h2d_bandwidth: bw,
         measured: Measured::default(),
+        copy_engines: None,
+        environment: None,
         units,
     }
 }

@@ -186,3 +186,76 @@ fn a_replay_is_charged_its_measured_transient_inside_the_stage_that_needs_it() {
     let o = eval(&p, &[Recompute, Retain], u64::MAX);
     assert_eq!(stage_point(&o, Stage::Bwd(1)).peak, 10 + 10 + 3 + 7 + 2);
 }
+
+fn eval_starts(p: &tensorplace_core::Profile, a: &[Action], starts: &[bool]) -> tensorplace_core::Outcome {
+    let g = p.graph().unwrap();
+    tensorplace_core::evaluate_segments(&g, a, starts, u64::MAX, &EvalOptions::default(), &mut Scratch::new(g.n), true)
+}
+
+#[test]
+fn two_copy_engines_run_a_prefetch_beside_a_swap_out() {
+    // Units 0 and 2 are swapped (1 B/s). Unit 2's swap-out runs 13..43 s; unit 0's prefetch, issued
+    // at B3 (13 s), waits behind it on one engine (43..53 s: B1 at 35 s stalls 18 s) and runs
+    // beside it on two (13..23 s: no stall).
+    let mut p = chain(&[1.0, 1.0, 10.0, 1.0], &[10, 1, 30, 1], 0, 1.0);
+    let one = eval(&p, &[Swap, Retain, Swap, Retain], u64::MAX);
+    p.copy_engines = Some(2);
+    let two = eval(&p, &[Swap, Retain, Swap, Retain], u64::MAX);
+    assert!(two.step_time <= one.step_time, "two engines {} > one {}", two.step_time, one.step_time);
+    assert!((one.swap_stall - 18.0).abs() < 1e-9, "stall with one engine {}", one.swap_stall);
+    assert_eq!(two.swap_stall, 0.0);
+    assert_eq!(one.peak_bytes, two.peak_bytes);
+    p.copy_engines = Some(3);
+    assert!(p.graph().is_err(), "3 copy engines are refused");
+}
+
+/// u0 -> u1 -> u2 -> u3: u1's output (8 bytes) is not saved; u2 reads it and holds it for a replay.
+fn held_chain() -> tensorplace_core::Profile {
+    let mut units = wire(vec![
+        unit("a", &[], 1.0, 1.0, 4),
+        unit("b", &[0], 1.0, 1.0, 2),
+        unit("c", &[1], 1.0, 1.0, 4),
+        unit("d", &[2], 1.0, 1.0, 4),
+    ]);
+    units[1].output_bytes = 8;
+    units[1].output_saved = false;
+    units[2].held_input_bytes = 8;
+    units[2].held_from = Some(vec![[1, 8]]);
+    units[2].saved_inputs = Some(vec![]);
+    profile(units, 0, 1.0)
+}
+
+#[test]
+fn a_segment_regenerates_its_own_unsaved_values_instead_of_holding_them() {
+    let p = held_chain();
+    let plan = [Retain, Recompute, Recompute, Retain];
+    // One segment {1, 2}: nothing is held from the forward, so after the forward only the retained
+    // activations stay (4 + 4); the replay of unit 2 replays unit 1 first (2 s of recompute).
+    let joined = eval_starts(&p, &plan, &[false; 4]);
+    let end_fwd = joined.curve.iter().find(|c| c.stage == Stage::Bwd(3)).unwrap().mem_start;
+    assert_eq!(end_fwd, 4 + 4);
+    assert!((joined.recompute - 2.0).abs() < 1e-9, "recompute {}", joined.recompute);
+    // Split into {1} and {2}: unit 2 holds unit 1's output (8) from its forward to its replay.
+    let split = eval_starts(&p, &plan, &[false, false, true, false]);
+    let end_fwd = split.curve.iter().find(|c| c.stage == Stage::Bwd(3)).unwrap().mem_start;
+    assert_eq!(end_fwd, 4 + 4 + 8);
+    for o in [&joined, &split] {
+        assert_eq!(o.end_bytes, 0, "everything is let go by the end of the step");
+    }
+}
+
+#[test]
+fn a_segment_holds_what_it_saves_of_another_segments_units_and_replays_once() {
+    // d (3) saves c's (2) output; c and d are recomputed in different segments: d holds c's output
+    // (saved_from) and gets it back from its own replay, without replaying c at d's backward.
+    let mut p = chain(&[1.0, 1.0, 1.0, 1.0], &[4, 4, 4, 4], 0, 1.0);
+    p.units[3].saved_from = Some(vec![[2, 4]]);
+    let plan = [Retain, Recompute, Recompute, Recompute];
+    let split = eval_starts(&p, &plan, &[false, false, false, true]);
+    // B3 replays d only (c's segment is replayed at B2): 1 s; B2 replays c (and b, its segment).
+    assert!((split.recompute - 3.0).abs() < 1e-9, "recompute {}", split.recompute);
+    assert_eq!(split.end_bytes, 0);
+    let joined = eval_starts(&p, &plan, &[false; 4]);
+    assert!((joined.recompute - 3.0).abs() < 1e-9, "each unit is replayed once: {}", joined.recompute);
+    assert_eq!(joined.end_bytes, 0);
+}

@@ -10,6 +10,7 @@ from a shell.
     tensorplace-bench compare --model resnet50   # methods side by side on a builtin profile
     tensorplace-bench convergence --model inception_v3 --png conv.png
     tensorplace-bench timeline --model resnet50 --png timeline.png
+    tensorplace-bench peers --model gpt          # against torch's checkpointing and save_on_cpu, measured
     tensorplace-bench models                     # the model zoo
 
 Real models (``--model``): the package's examples (gpt, tinygpt, inception), any torchvision
@@ -20,7 +21,7 @@ line, the device and the versions). Measured figures are labelled with the devic
 Adding a subcommand: write a module with ``add_cli(subparsers)`` that adds its parser and sets
 ``fn`` (``p.set_defaults(fn=...)``), a function taking the parsed arguments and returning the exit
 code, which puts its figures into ``args.out`` (``args.out["rows"] = [...]``); then add one line
-``your_module.add_cli,`` to ``COMMANDS`` below. Shared helpers (model zoo, measuring, tables,
+``your_module.add_cli,`` to ``COMMANDS`` below (``func`` works as well as ``fn``). Shared helpers (model zoo, measuring, tables,
 progress bars, argument types) are in ``tensorplace.bench.common``. ``--json`` is added to
 every subcommand by ``main``.
 """
@@ -31,7 +32,7 @@ import argparse
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
-from . import accuracy, compare, convergence, demo, maxbatch, plan, profile, timeline, zoo
+from . import accuracy, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
 from .common import Output, versions, where
 
 # One line per subcommand: its module's add_cli(subparsers).
@@ -41,6 +42,7 @@ COMMANDS: List[Callable[[Any], None]] = [
     profile.add_cli,
     plan.add_cli,
     maxbatch.add_cli,
+    peers.add_cli,
     compare.add_cli,
     convergence.add_cli,
     timeline.add_cli,
@@ -67,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a.out = Output(a.json, header)
     rc = 1
     try:
-        rc = int(a.fn(a))
+        rc = int((getattr(a, "fn", None) or a.func)(a))
     finally:
         a.out.flush(exit_code=rc)
     return rc

@@ -372,17 +372,22 @@ def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes
     return build(batch)
 
 
-def real_args(p: argparse.ArgumentParser, batch: int = 32, search: Optional[Tuple[int, int]] = (200, 200)) -> None:
-    """--model and its input options, --repeats, and the search settings."""
+def model_args(p: argparse.ArgumentParser, batch: int = 32) -> None:
+    """--model and its input options."""
     p.add_argument("--model", default="resnet18",
-                   help="a zoo name (gpt, tinygpt, inception, any torchvision model: resnet18, ...) or "
-                        "'package.module:factory' (default resnet18)")
+                   help="a zoo name (gpt, gpt12, tinygpt, inception, any torchvision model: resnet18, ...) or "
+                        "'package.module:factory' (default resnet18; `tensorplace-bench models` lists them)")
     p.add_argument("--batch", type=positive_int, default=batch, help=f"batch size (default {batch})")
     p.add_argument("--image", type=positive_int, default=128, help="image side for image models (default 128)")
     p.add_argument("--seq", type=positive_int, default=256, help="sequence length for token models (default 256)")
     p.add_argument("--classes", type=positive_int, default=100, help="classes of image models (default 100)")
     p.add_argument("--input-shape", type=shape, default=None,
                    help="per-sample input shape for a factory that returns a bare module, e.g. 3x64x64")
+
+
+def real_args(p: argparse.ArgumentParser, batch: int = 32, search: Optional[Tuple[int, int]] = (200, 200)) -> None:
+    """--model and its input options, --repeats, and the search settings."""
+    model_args(p, batch)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed steps, median taken (default 3)")
     if search is not None:
         search_args(p, *search)

@@ -59,19 +59,23 @@ def draw(path: str, title: str, prof: Dict[str, Any], ev: Dict[str, Any], base: 
     stages = stage_intervals(prof, ev)
     fig, (top, mem) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, gridspec_kw={"height_ratios": [1, 2]})
     colors = {"fwd": "tab:blue", "bwd": "tab:orange", "replay": "tab:red", "d2h": "tab:green", "h2d": "tab:purple"}
+    copies = ev.get("copies", [])
+    queues = sorted({c.get("queue", 0) for c in copies}) or [0]
+    lane = {q: len(queues) - 1 - k for k, q in enumerate(queues)}  # copy queues below compute
+    cy = len(queues)
     for s in stages:
         kind = s["stage"].split(":")[0]
-        top.broken_barh([(s["compute_start"] * 1e3, (s["end"] - s["compute_start"]) * 1e3)], (1.1, 0.8),
+        top.broken_barh([(s["compute_start"] * 1e3, (s["end"] - s["compute_start"]) * 1e3)], (cy + 0.1, 0.8),
                         facecolors=colors[kind], edgecolor="none")
     for r in ev.get("replays", []):
-        top.broken_barh([(r["start"] * 1e3, (r["end"] - r["start"]) * 1e3)], (1.1, 0.8), facecolors=colors["replay"],
+        top.broken_barh([(r["start"] * 1e3, (r["end"] - r["start"]) * 1e3)], (cy + 0.1, 0.8), facecolors=colors["replay"],
                         edgecolor="none")
-    for c in ev.get("copies", []):
-        top.broken_barh([(c["start"] * 1e3, (c["end"] - c["start"]) * 1e3)], (0.1, 0.8), facecolors=colors[c["direction"]],
-                        edgecolor="white", linewidth=0.3)
-    top.set_yticks([0.5, 1.5])
-    top.set_yticklabels(["copy stream", "compute"])
-    top.set_ylim(0, 2)
+    for c in copies:
+        top.broken_barh([(c["start"] * 1e3, (c["end"] - c["start"]) * 1e3)], (lane[c.get("queue", 0)] + 0.1, 0.8),
+                        facecolors=colors[c["direction"]], edgecolor="white", linewidth=0.3)
+    top.set_yticks([lane[q] + 0.5 for q in queues] + [cy + 0.5])
+    top.set_yticklabels([f"copy queue {q}" if len(queues) > 1 else "copy stream" for q in queues] + ["compute"])
+    top.set_ylim(0, cy + 1)
     top.legend(handles=[Patch(color=colors[k], label=lbl) for k, lbl in
                         [("fwd", "forward"), ("bwd", "backward"), ("replay", "recompute"), ("d2h", "swap out"),
                          ("h2d", "prefetch")]], ncol=5, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0),
