@@ -317,3 +317,13 @@ def test_json_is_written_as_figures_arrive(tmp_path):
     out.update(model="m")
     out.flush(exit_code=0)
     assert json.loads(path.read_text()) == {"command": "x", "exit_code": 0, "rows": [{"batch": 3}], "model": "m"}
+
+
+@pytest.mark.slow
+def test_maxbatch_names_what_batch_one_needs_when_nothing_fits(capsys, tmp_path):
+    data = run_json(tmp_path, ["maxbatch", *TINY, "--memory", "64KiB", *SEARCH, "--probe-batches", "2", "4",
+                               "--methods", "swap-all", "unplanned"])
+    out = capsys.readouterr().out
+    for m in ("swap-all", "unplanned"):
+        assert f"{m}: no batch fits 64.0 KiB: at batch 1 it needs about" in out
+    assert all(r["predicted_batch"] == 0 and r["confirmed_batch"] is None for r in data["rows"])

@@ -26,6 +26,7 @@ from . import common
 UNIT_INTS = ("act_bytes", "output_bytes", "held_input_bytes", "fwd_transient_bytes", "bwd_transient_bytes",
              "grad_bytes", "replay_transient_bytes", "lingering_bytes")
 UNIT_FLOATS = ("fwd_time", "bwd_time")
+UNIT_PAIRS = ("held_from", "saved_from")
 STRUCTURE = ("name", "kind", "inputs", "model_inputs", "output_saved", "read_by", "saved_inputs", "lingering_until")
 
 
@@ -55,6 +56,13 @@ def extrapolate(p1: Dict[str, Any], b1: int, p2: Dict[str, Any], b2: int, b: int
                 o[k] = int(round(lin(x[k], y[k])))
         for k in UNIT_FLOATS:
             o[k] = lin(x[k], y[k])
+        for k in UNIT_PAIRS:  # [[producer, bytes], ...]: the bytes scale, the producers stay
+            if k in x and k in y:
+                if [p for p, _ in x[k]] != [p for p, _ in y[k]]:
+                    raise ValueError(f"unit {o['name']}: {k} differs between the probe batches")
+                o[k] = [[p, int(round(lin(bx, by)))] for (p, bx), (_, by) in zip(x[k], y[k])]
+        if "held_from" in o and "held_input_bytes" in o:  # rounding must not push the parts above the whole
+            o["held_input_bytes"] = max(o["held_input_bytes"], sum(b for _, b in o["held_from"]))
     for k in ("model_fingerprint", "input_shapes"):
         out.pop(k, None)
     return out
@@ -149,13 +157,22 @@ class _Real:
 
         return bisect_batch(fits, self.a.max_batch)
 
-    def measured_linear(self, module_at: Callable[[int], Tuple[Any, common.RealModel]]) -> int:
+    def smallest_need(self) -> int:
+        """The lower bound of the profile extrapolated to batch 1: what any plan needs."""
+        from ..planning import lower_bound
+
+        (b1, b2) = self.a.probe_batches
+        return lower_bound(extrapolate(self.profile_at(b1), b1, self.profile_at(b2), b2, 1))
+
+    def measured_linear(self, module_at: Callable[[int], Tuple[Any, common.RealModel]]) -> Tuple[int, float]:
+        """(largest batch by the measured peaks at the probe batches, the peak they give at batch 1)."""
         (b1, b2), memory = self.a.probe_batches, self.a.memory
         peaks = []
         for b in (b1, b2):
             module, rm = module_at(b)
             peaks.append(common.measure(module, rm.inputs, rm.loss_fn, 1)["peak_bytes"])
-        return linear_batch(b1, peaks[0], b2, peaks[1], memory, self.a.max_batch)
+        at1 = peaks[0] + (peaks[1] - peaks[0]) * (1 - b1) / (b2 - b1)
+        return linear_batch(b1, peaks[0], b2, peaks[1], memory, self.a.max_batch), at1
 
     def run_planned(self, method: str, batch: int) -> Optional[Dict[str, Any]]:
         from ..api import run
@@ -206,7 +223,7 @@ def _real(a: argparse.Namespace, methods: List[str]) -> int:
             pred_t: Optional[float] = None
             note = ""
             if method == "unplanned":
-                predicted = r.measured_linear(lambda b: (r.rm.model, r.model_at(b)))
+                predicted, need = r.measured_linear(lambda b: (r.rm.model, r.model_at(b)))
 
                 def attempt(b: int) -> Optional[Dict[str, Any]]:
                     rm = r.model_at(b)
@@ -220,16 +237,20 @@ def _real(a: argparse.Namespace, methods: List[str]) -> int:
                     bar.advance()
                     continue
                 note = f"{nblocks} blocks"
-                predicted = r.measured_linear(lambda b: (wrapped, r.model_at(b)))
+                predicted, need = r.measured_linear(lambda b: (wrapped, r.model_at(b)))
 
                 def attempt(b: int) -> Optional[Dict[str, Any]]:
                     rm = r.model_at(b)
                     return common.measure(wrapped, rm.inputs, rm.loss_fn, a.repeats)
             else:
                 predicted, pred_t = r.predicted(method)
+                need = float(r.smallest_need()) if predicted < 1 else 0.0
 
                 def attempt(b: int, method: str = method) -> Optional[Dict[str, Any]]:
                     return r.run_planned(method, b)
+            if predicted < 1:
+                print(f"{method}: no batch fits {format_bytes(memory)}: at batch 1 it needs about {format_bytes(need)}; "
+                      "raise --memory")
             got, m, log = _confirm(predicted, attempt, memory, a.tries, bar, method) if predicted >= 1 else (None, None, [])
             bar.advance()
             step = None if m is None else m["step_time"]
