@@ -40,7 +40,7 @@ def rich_rows(text: str) -> dict:
 
 def test_every_subcommand_takes_json():
     sub = next(a for a in parser()._actions if a.dest == "cmd")
-    for name in ("demo", "accuracy", "profile", "plan", "maxbatch", "peers", "compare", "convergence", "timeline",
+    for name in ("demo", "accuracy", "profile", "plan", "maxbatch", "peers", "allocator", "compare", "convergence", "timeline",
                  "models"):
         assert name in sub.choices
     for name, p in sub.choices.items():

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from cuda_exec import gpu
 from cuda_exec.cuda_backend import (
@@ -412,6 +413,31 @@ def test_fake_source_held_until_copy_completes(fake):
     assert b.poll() == 0 and not b._pending
     assert torch.equal(b.fetch(h), torch.arange(1 << 16, dtype=torch.float32))
     b.release(h)
+
+
+def test_fake_swap_deadline_is_a_stream_wait_and_drops_the_sources(fake):
+    b, rt, tt = fake.b, fake.rt, fake.torch
+    tt.stream = 7
+    xs = [torch.arange(1000, dtype=torch.float32) + i for i in range(3)]
+    refs = [StorageWeakRef(x.untyped_storage()) for x in xs]
+    hs = [b.offload(x) for x in xs]
+    del xs
+    gc.collect()
+    assert not any(r.expired() for r in refs)  # the copies have not run: the backend holds them
+    waits = len(rt.waits)
+    b.release_offload(hs[1])
+    # the compute stream (7) waits for the second copy's event; the host did not block
+    assert rt.waits[waits:] == [(7, b._offload_events[id(hs[1]._slot)].id)]
+    assert not any(c in SYNC_CALLS for c in rt.calls)
+    gc.collect()
+    # FIFO: the first two sources are dropped, the third is still held for its copy
+    assert refs[0].expired() and refs[1].expired() and not refs[2].expired()
+    assert b.stats["deadline_releases"] == 1
+    for i, h in enumerate(hs):
+        assert torch.equal(b.fetch(h), torch.arange(1000, dtype=torch.float32) + i)
+        b.release(h)
+    b.synchronize()
+    assert b.pending_offloads == 0 and b.pool.bytes_in_use == 0
 
 
 def test_fake_ordering_follows_the_live_compute_stream(fake):

@@ -4,6 +4,7 @@ measured with torch's own accounting, verify mode, robustness, and the CPU backe
 from __future__ import annotations
 
 import copy
+import math
 import gc
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -206,6 +207,125 @@ def test_bitwise_equal_all_one_action(name: str, plan: str) -> None:
     assert_same_training(name, PLANS[plan], steps=2, verify=True)
 
 
+# --------------------------------------------------------------- the lean path (steady steps)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "inception", "gpt", "tricky"])
+def test_steady_steps_of_retain_and_swap_plans_are_bitwise_equal(name: str) -> None:
+    # steps 2 and 3 run the lean path: ownership from the first step's table by pack order
+    planned = assert_same_training(name, lambda n, r: cycle(n, ["swap", "retain", "retain"]), verify=True)
+    assert planned.executor._table is not None
+    stats = planned.last_stats
+    # the schedule's prefetches fire in backward stage order, none is fetched on demand
+    assert stats.prefetches > 0 and stats.unscheduled_fetches == 0
+    assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
+
+
+def _executor_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_steady_steps_run_no_mode_and_one_hook_per_unit_module() -> None:
+    model, x, y = make("resnet18")
+    n = len(records(model, x))
+    units = {type(m) for m in model.modules() if not list(m.children())}
+    modes: List[int] = []
+    model.fc.register_forward_pre_hook(lambda m, a: modes.append(torch._C._len_torch_function_stack()))
+    for plan in (["retain"] * n, cycle(n, ["retain", "swap"])):
+        planned = PlannedModule(model, plan, backend=CpuBackend())
+        for _ in range(3):
+            loss_fn(planned(x), y).backward()
+        # the first step tracks glue with a TorchFunctionMode; the steady steps do not
+        assert modes == [1, 0, 0]
+        modes.clear()
+        leaves = [m for m in model.modules() if type(m) in units]
+        assert _executor_hooks(model) == 1 + len({id(m) for m in leaves})  # + the test's own
+        planned.close()
+        assert _executor_hooks(model) == 1
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+class Switch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if not self.skip:
+            h = torch.sigmoid(self.b(h))
+        return self.c(h)
+
+
+@pytest.mark.parametrize("actions", [["retain"] * 3, ["swap", "retain", "swap"], ["swap"] * 3])
+def test_control_flow_change_in_a_steady_step_is_refused_cleanly(actions: List[str]) -> None:
+    torch.manual_seed(0)
+    model = Switch()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    backend = CpuBackend()
+    planned = PlannedModule(model, actions, backend=backend)
+    for _ in range(2):
+        loss_fn(planned(x), y).backward()
+    model.skip = True
+    with pytest.raises(PlanMismatchError):
+        planned(x)
+    gc.collect()
+    _assert_no_hooks(model)
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    assert planned.last_stats.aborted
+    # back to the planned control flow: the executor learns again and trains as before
+    model.skip = False
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        loss_fn(planned(x), y).backward()
+        loss_fn(ref(x), y).backward()
+        for p1, p2 in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(p1.grad, p2.grad)
+    planned.close()
+    _assert_no_hooks(model)
+
+
+def test_the_unit_hooks_go_with_the_planned_module() -> None:
+    torch.manual_seed(0)
+    model = Switch()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap", "retain", "swap"], backend=backend)
+    for _ in range(2):
+        loss_fn(planned(x), y).backward()
+    assert _executor_hooks(model) == 3
+    del planned
+    gc.collect()
+    _assert_no_hooks(model)
+    backend.close()
+
+
+def test_swap_deadlines_in_steady_steps_are_waited_for_and_counted() -> None:
+    model, x, y = make("gpt")
+    recs = records(model, x)
+    n = len(recs)
+    acts = cycle(n, ["swap", "retain"])
+    deadlines = [{"unit": i, "before": f"fwd:{i + 2}"} for i in range(n - 2) if acts[i] == "swap" and recs[i].act_bytes]
+    plan = {"units": [r.name for r in recs], "actions": acts, "swap_deadlines": deadlines}
+    ref = copy.deepcopy(model)
+    planned = PlannedModule(model, plan, backend=CpuBackend(bandwidth_cap=200e6))
+    for step in range(3):
+        torch.manual_seed(step)
+        out = planned(x)
+        torch.manual_seed(step)
+        assert torch.equal(out, ref(x))
+        loss_fn(out, y).backward()
+        stats = planned.last_stats
+        # every unit with a deadline swapped at least one storage, waited for at the deadline
+        assert stats.deadline_waits >= len(deadlines) > 0
+        assert stats.deadline_wait_s > 0 and not stats.aborted
+    planned.close()
+
+
 @pytest.mark.parametrize(
     "actions",
     [
@@ -321,7 +441,10 @@ def test_measured_peak_is_lower_under_swap_and_recompute() -> None:
     for plan in ("swap", "recompute", "mixed"):
         acts = {"swap": ["swap"] * n, "recompute": ["recompute"] * n,
                 "mixed": cycle(n, ["swap", "recompute"])}[plan]
-        planned = PlannedModule(model, {"actions": acts, "prefetch": schedule(recs, acts, 1)}, backend=CpuBackend())
+        # all-recompute as sqrt(n) checkpoint segments (one segment of the whole model saves nothing)
+        starts = list(range(0, n, max(2, math.isqrt(n)))) if plan == "recompute" else []
+        planned = PlannedModule(model, {"actions": acts, "prefetch": schedule(recs, acts, 1),
+                                        "segment_starts": starts}, backend=CpuBackend())
         _step_peak(planned, x, y)  # warm the host pool
         results[plan] = _step_peak(planned, x, y)
         planned.close()

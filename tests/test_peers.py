@@ -12,9 +12,9 @@ from tensorplace.peers import compare_peers
 
 def test_peers_rows_are_measured_and_plans_keep_the_recipes_memory() -> None:
     torch.manual_seed(0)
-    model = TinyGPT(vocab=64, dim=32, heads=2, layers=4, block=32, dropout=0.1)
-    x = torch.randint(0, 64, (4, 32))
-    y = torch.randint(0, 64, (4, 32))
+    model = TinyGPT(vocab=128, dim=64, heads=4, layers=4, block=64, dropout=0.1)
+    x = torch.randint(0, 128, (4, 64))
+    y = torch.randint(0, 128, (4, 64))
     backend = CpuBackend(bandwidth_cap=0.15e9)
     try:
         rows = compare_peers(model, x, lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()),

@@ -163,6 +163,12 @@ class CpuBackend:
             self._fetch_wait += time.perf_counter() - t0
         self.poll()
 
+    def release_offload(self, handle: CpuHostHandle) -> None:
+        """The cost model's wait for a swap-out before a stage. The CPU has no streams to make
+        wait, so the host blocks (``wait_offload``); the executor counts that wait
+        (``StepStats.deadline_wait_s``)."""
+        self.wait_offload(handle)
+
     def prefetch(self, handle: CpuHostHandle) -> None:
         """Allocate the device bytes now (torch's allocator counts them) and queue the copy back."""
         self._check()

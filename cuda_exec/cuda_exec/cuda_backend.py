@@ -29,7 +29,10 @@ Streams and ordering
 - fetch: `cudaStreamWaitEvent(current compute stream, ready event)` - a device-side wait, the host
   never blocks - and `tensor.record_stream(current stream)`, so if fetch runs on another stream
   than the one the tensor was allocated on, the caching allocator will not reuse it early.
-- Nothing in offload / prefetch / fetch / release / poll synchronises the device or even a stream:
+- A swap deadline (`release_offload`) is a device-side wait too: the compute stream waits for the
+  offload's completion event and the source is dropped at once.
+- Nothing in offload / prefetch / fetch / release / poll / release_offload synchronises the device
+  or even a stream:
   no `cudaDeviceSynchronize`, no `torch.cuda.synchronize`, no `cudaStreamSynchronize`. Only
   `synchronize()` (waits for the copy stream alone), `bandwidth()` (a measurement) and `close()`
   block the host.
@@ -361,11 +364,13 @@ class CudaBackend(Backend):
         self._pending: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
         #: id(slot) -> completion event of its offload, while that offload is pending
         self._offload_events: Dict[int, Any] = {}
+        self._event_slot: Dict[int, int] = {}  # id(completion event) -> its key in _offload_events
         with self._torch.device_guard():
             self._stream = self._cuda("cudaStreamCreateWithFlags", self._cuda.rt.cudaStreamNonBlocking)
         self.pool = PinnedPool(self._cuda)
         self._events = _EventPool(self._cuda, self._torch.device_guard)
-        self.stats = {"offloads": 0, "prefetches": 0, "fetches": 0, "releases": 0, "d2h_bytes": 0, "h2d_bytes": 0}
+        self.stats = {"offloads": 0, "prefetches": 0, "fetches": 0, "releases": 0, "d2h_bytes": 0, "h2d_bytes": 0,
+                      "deadline_releases": 0}
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -414,6 +419,7 @@ class CudaBackend(Backend):
                 raise
             self._pending.append((done, src))  # src (a view of the caller's storage) stays alive
             self._offload_events[id(slot)] = done
+            self._event_slot[id(done)] = id(slot)
             self.stats["offloads"] += 1
             self.stats["d2h_bytes"] += nbytes
             return self._new_handle(nbytes, src, slot)
@@ -474,6 +480,26 @@ class CudaBackend(Backend):
             if ev is not None:
                 self._cuda("cudaEventSynchronize", ev)
             self._service()
+
+    def release_offload(self, handle: CudaHostHandle) -> None:
+        """The cost model's wait for a swap-out before a stage, without blocking the host: the
+        current compute stream waits (``cudaStreamWaitEvent``) for `handle`'s offload, and so, the
+        copy stream being FIFO, for every copy queued before it; then the sources of those copies
+        are dropped. The caching allocator may hand their blocks to later work on the compute
+        stream at once: that work runs after the copies have read them (TransformerEngine's
+        ``release_activation_forward_gpu_memory`` does the same). Their events stay pending until
+        they fire (``poll``)."""
+        with self._lock:
+            self._service()
+            ev = self._offload_events.get(id(handle._slot)) if handle._slot is not None else None
+            if ev is None:
+                return  # completed already (its source is gone), released, or never copied
+            self._cuda("cudaStreamWaitEvent", self._compute_stream()[1], ev, 0)
+            for i, (e, _src) in enumerate(self._pending):
+                self._pending[i] = (e, None)
+                if e is ev:
+                    break
+            self.stats["deadline_releases"] += 1
 
     def synchronize(self) -> None:
         """Wait (on the host) for every copy queued on the copy stream; the compute stream and
@@ -545,6 +571,7 @@ class CudaBackend(Backend):
                 errors.append(exc)
             self._pending.clear()
             self._offload_events.clear()
+            self._event_slot.clear()
             self._dead.clear()
             for slot in list(self._slots):
                 slot.ptr = None
@@ -658,6 +685,7 @@ class CudaBackend(Backend):
                 break  # FIFO: later copies are not done either
             self._cuda.check("cudaEventQuery", (err,))
             self._pending.popleft()
-            for k in [k for k, e in self._offload_events.items() if e is ev]:
-                del self._offload_events[k]
+            key = self._event_slot.pop(id(ev), None)
+            if key is not None and self._offload_events.get(key) is ev:
+                del self._offload_events[key]
             self._events.give_back(ev)

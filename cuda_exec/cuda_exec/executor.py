@@ -49,6 +49,44 @@ How a step runs (docs/cost-model.md is the contract):
   tensor at pack time and checks it at unpack (verify.py).
 * An exception (or KeyboardInterrupt) in the forward, or in one of the executor's backward hooks,
   aborts the step: all hooks are gone, every host buffer is released, the next step starts clean.
+
+The lean path (issue 6: the executor was host-bound, ~430-550 us per unit on this CPU)
+------------------------------------------------------------------------------------------
+The step above (the *full* step) runs the whole ownership analysis: module hooks registered per
+step, a TorchFunctionMode on every torch call, storage/version bookkeeping at every pack. For a
+plan without recomputed units only the owner's action of each saved tensor matters, and that
+is a function of the step's order. So:
+
+* **Learn once.** The executor's first step is a full step that also records a table
+  (:class:`_Table`): the sequence of unit-module calls and, per pack of the step in order, the
+  action of its owner (retain / swap) and the first pack of the same storage version (a storage
+  saved several times, or through views, is copied once).
+* **Install once, arm per step.** After that step one forward pre-hook per unit module is
+  installed (it holds no reference to the executor; ``close()``, a failed step, or the executor's
+  garbage collection remove it). A steady step arms a small frame (:class:`_LeanStep`); outside a
+  step the hooks return at once. There is no TorchFunctionMode (no Python per torch op), and
+  an all-retain plan installs no saved-tensor hooks at all.
+* **Per pack** (swap plans only): a counter, a table lookup, ``return tensor`` if the owner
+  retains; for a swap one ``backend.offload`` (one copy and one completion event per storage)
+  and a handle; a later pack of the same storage is checked to be that storage version (weak
+  storage reference and version counter) and shares the copy.
+* **Checks that turn a different order into an error, never into wrong tensors.** Each unit
+  start checks the module against the table and the number of packs made so far; the end of the
+  forward checks both totals; dedupe is checked by identity. A mismatch raises
+  :class:`PlanMismatchError`, aborts the step, removes the hooks; the next step learns again.
+  A different batch size is fine (views are rebuilt from each step's own metadata).
+* **Stage boundaries** do work only where the plan needs it (a swap-out may have completed, a
+  swap deadline, a prefetch stage's gradient hook on the unit's inputs).
+* **Swap deadlines** call ``backend.release_offload``: on CUDA the compute stream waits for the
+  copy's event (``cudaStreamWaitEvent``) and the source is dropped, the host does not block; the
+  CPU backend (no streams) waits on the host, counted in ``StepStats.deadline_wait_s`` /
+  ``deadline_waits``. The full step uses the same call.
+
+Plans with recomputed units still run the full step every step: a replay needs the recorded
+glue calls and the identity of each input value (retained, swapped or replayed producer), which
+the full tracker provides. Scoping the TorchFunctionMode and the value registry to recompute
+segments (with the first step's table resolving inputs by order) is the next step; until then
+such plans pay the full per-unit overhead on the host.
 """
 
 from __future__ import annotations
@@ -77,6 +115,7 @@ from .units import (
     ValueRec,
     ViewMeta,
     discover_units,
+    is_replaying,
     model_input_position,
     replaying,
 )
@@ -143,7 +182,10 @@ class StepStats:
     replays: int = 0  #: unit replays
     replay_s: float = 0.0  #: time spent replaying
     fetch_s: float = 0.0  #: time spent in fetches (waiting for late copies included)
-    deadline_wait_s: float = 0.0  #: time spent waiting for swap-outs the plan says are done
+    #: host time spent at swap deadlines (the swap-outs the plan says are done before a stage):
+    #: the whole wait on CPU, only the calls that queue a device-side wait on CUDA
+    deadline_wait_s: float = 0.0
+    deadline_waits: int = 0  #: swap-outs waited for at their deadline
     prefetches: int = 0  #: prefetches issued by the schedule
     prefetch_stages: List[int] = field(default_factory=list)  #: backward stages that issued, in order
     unscheduled_fetches: int = 0  #: swapped storages fetched without a scheduled prefetch
@@ -271,13 +313,16 @@ def default_backend(device: torch.device) -> Any:
 class _Entry:
     """One swapped storage version."""
 
-    __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value")
+    __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
+                 "ref", "version")
 
-    def __init__(self, state: "_StepState", unit: int, value: ValueRec, t: torch.Tensor) -> None:
+    def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
         self.state = state
         self.unit = unit
-        self.value = value
+        self.value = value  #: the ValueRec (full path) or the pack index (lean path) it is keyed by
         st = t.untyped_storage()
+        self.ref = StorageWeakRef(st)  #: which storage, to check that a later pack is the same one
+        self.version = t._version
         self.nbytes = st.nbytes()
         self.device = t.device
         byte_view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
@@ -715,6 +760,8 @@ class _StepState:
         self.dead = False
         self.backward_running = False
         self._warned = False
+        #: a failed step also removes the executor's unit hooks (the next step re-learns)
+        self.on_abort = ex._uninstall
 
     def drop(self, unit: int, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -746,6 +793,7 @@ class _StepState:
             return
         self.dead = True
         self.stats.aborted = True
+        self.on_abort()
         for e in list(self.entries.values()):
             e.free()
         for lst in self.by_unit.values():
@@ -800,7 +848,9 @@ class _StepState:
         units = self.swap_deadlines.get(label)
         if not units:
             return
-        wait = getattr(self.backend, "wait_offload", None)
+        # release_offload: the compute stream waits for the copy and the source is dropped (CUDA:
+        # a device-side wait, the host does not block; CPU: no streams, the host waits)
+        wait = getattr(self.backend, "release_offload", None) or getattr(self.backend, "wait_offload", None)
         if wait is None:
             return
         t0 = time.perf_counter()
@@ -808,6 +858,7 @@ class _StepState:
             for e in self.by_unit.get(u, ()):
                 if e.host is not None and e.fetched is None and not e.prefetched:
                     wait(e.host)
+                    self.stats.deadline_waits += 1
         self.stats.deadline_wait_s += time.perf_counter() - t0
 
     def issue_prefetches(self, stage: int) -> None:
@@ -822,12 +873,84 @@ class _StepState:
                 e.prefetch()
 
 
-class _PlanTracker(UnitTracker):
-    """The UnitTracker with the plan's policy at every pack."""
+class _Table:
+    """What the executor's first (full) step found, by call and pack order: the lean steps' map.
 
-    def __init__(self, ex: "Executor", state: _StepState) -> None:
+    ``modules[c]``: the unit module of the c-th unit-module call of the forward (nested calls
+    included), ``call_unit[c]``: the unit it starts, or -1 for a call inside another unit.
+    ``pack_start[u]``: packs made before unit u started. Per pack k of the step: ``acts[k]``
+    (0 retain, 1 swap), ``first[k]`` (the first pack of the same storage version: a swap copies a
+    storage once, however many views or units save it) and ``owner[k]``."""
+
+    def __init__(self) -> None:
+        self.modules: List[nn.Module] = []
+        self.call_unit: List[int] = []
+        self.pack_start: List[int] = []
+        self.acts: List[int] = []
+        self.first: List[int] = []
+        self.owner: List[int] = []
+        self.names: List[str] = []
+        self._entry_first: Dict[int, int] = {}
+
+    def finish(self, names: List[str]) -> "_Table":
+        self.names = list(names)
+        self._entry_first = {}
+        n = len(self.pack_start)
+        #: per unit: its segment makes a swapped pack (the pack hooks are on only there)
+        self.armed = [False] * n
+        u = 0
+        for k, a in enumerate(self.acts):
+            while u + 1 < n and self.pack_start[u + 1] <= k:
+                u += 1
+            if a and n:
+                self.armed[u] = True
+        return self
+
+    def seg_end(self, u: int) -> int:
+        """Packs made before the end of unit u's segment."""
+        return self.pack_start[u + 1] if u + 1 < len(self.pack_start) else len(self.acts)
+
+    @property
+    def swaps(self) -> int:
+        return sum(self.acts)
+
+
+class _PlanTracker(UnitTracker):
+    """The UnitTracker with the plan's policy at every pack. ``learn``: a :class:`_Table` to
+    fill with what the step does (for plans the lean path runs)."""
+
+    def __init__(self, ex: "Executor", state: _StepState, learn: Optional[_Table] = None) -> None:
         super().__init__(ex.model, keep_replay_info=True, unit_modules=ex.unit_modules)
         self.state = state
+        self.learn = learn
+
+    def _pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        learn = self.learn
+        if learn is None or not self._active or is_replaying():
+            return super()._pre_hook(module, args, kwargs)
+        n = len(self.segments)
+        super()._pre_hook(module, args, kwargs)
+        new = len(self.segments) > n
+        learn.modules.append(module)
+        learn.call_unit.append(n if new else -1)
+        if new:
+            learn.pack_start.append(len(learn.acts))
+
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        learn = self.learn
+        if learn is None or not self._active or self._busy > 0 or is_replaying():
+            return super()._pack_hook(t)
+        out = super()._pack_hook(t)
+        k = len(learn.acts)
+        if isinstance(out, _SwapHandle):
+            learn.acts.append(1)
+            learn.first.append(learn._entry_first.setdefault(id(out.entry), k))
+            learn.owner.append(out.entry.unit)
+        else:
+            learn.acts.append(0)
+            learn.first.append(k)
+            learn.owner.append(-1)
+        return out
 
     # units --------------------------------------------------------------------------
 
@@ -940,8 +1063,9 @@ class _PlanTracker(UnitTracker):
         if act == "retain":
             return tensor
         val = info.value
-        what = f"{act} of a saved tensor of unit {owner} ({st.names[owner] if owner < len(st.names) else owner})"
         digest = checksum(tensor) if st.verify else None
+        what = (f"{act} of a saved tensor of unit {owner} ({st.names[owner] if owner < len(st.names) else owner})"
+                if st.verify else "")  # the message of a failed check only
         if act == "swap":
             entry = st.entries.get(val)
             if entry is None or entry.host is None:
@@ -994,6 +1118,172 @@ class _PlanTracker(UnitTracker):
 
 
 # ------------------------------------------------------------------------------------------
+# The lean path: steady steps of plans without recomputed units
+# ------------------------------------------------------------------------------------------
+
+
+def _unpack_handle(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Handle):
+        try:
+            packed.state.enter_backward()
+            return packed.unpack()
+        except BaseException:
+            packed.state.abort()
+            raise
+    return packed
+
+
+class _LeanStep:
+    """One steady step on the lean path: counters, the step's state and the table."""
+
+    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work", "post")
+
+    def __init__(self, ex: "Executor", state: _StepState, table: _Table, work: List[bool]) -> None:
+        self.ex = ex
+        self.state = state
+        self.t = table
+        self.calls = 0
+        self.packs = 0  #: index of the next pack of the step (counted in armed segments)
+        self.limit = 0  #: packs made before the end of the armed segment
+        self.armed = False  #: the saved-tensor hooks are on (a segment with a swapped pack)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
+        self.work = work  #: per unit: boundary work to do at its start
+        self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
+
+    # the forward pre-hook of every unit module (installed once, see Executor._install)
+    def unit_start(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        c = self.calls
+        t = self.t
+        if c >= len(t.modules) or t.modules[c] is not module:
+            raise self._call_mismatch(c, module)
+        self.calls = c + 1
+        u = t.call_unit[c]
+        if u < 0:
+            return
+        if self.armed:
+            self.disarm(t.pack_start[u])
+        if t.armed[u]:
+            # the saved-tensor hooks are pushed only for segments that save a swapped tensor:
+            # packs elsewhere cost nothing (TE's offload context per layer does the same)
+            self.packs = t.pack_start[u]
+            self.limit = t.seg_end(u)
+            self.hooks.__enter__()
+            self.armed = True
+        if self.work[u]:
+            self.boundary(u, args)
+
+    def disarm(self, expected: Optional[int]) -> None:
+        """Pop the saved-tensor hooks at the end of an armed segment; check its pack count
+        (``expected`` None: no check, the step is failing)."""
+        self.armed = False
+        self.hooks.__exit__(None, None, None)
+        if expected is not None and self.packs != expected:
+            raise PlanMismatchError(
+                f"a segment that ended at pack {expected} in the executor's first step ended at "
+                f"pack {self.packs} in this forward (data-dependent control flow?)"
+            )
+
+    def boundary(self, u: int, args: Tuple[Any, ...]) -> None:
+        st = self.state
+        if st.by_unit:
+            st.stage_boundary(f"fwd:{u}")
+        if u in st.prefetch_at:
+            self.post = (u, self.t.modules[self.calls - 1])
+        s = u - 1
+        if s in st.prefetch_at:
+            # a fallback if unit s's output had no gradient: the gradients of unit u's inputs
+            # arrive after stage u's backward (never before stage s starts)
+            self._prefetch_hooks(s, args)
+
+    def _prefetch_hooks(self, s: int, values: Any) -> None:
+        st = self.state
+        for a in pytree.tree_leaves(values):
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
+                a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
+
+    # the forward hook of the unit modules of prefetch stages
+    def unit_end(self, module: nn.Module, output: Any) -> None:
+        post = self.post
+        if post is not None and post[1] is module:
+            self.post = None
+            # backward stage u starts (after the glue after it) when its output's gradient arrives
+            self._prefetch_hooks(post[0], output)
+
+    def _call_mismatch(self, c: int, module: nn.Module) -> PlanMismatchError:
+        t = self.t
+        got = self.ex.unit_modules.get(module, type(module).__name__)
+        want = self.ex.unit_modules.get(t.modules[c], "?") if c < len(t.modules) else "no further unit"
+        return PlanMismatchError(
+            f"unit-module call {c} of this forward is {got!r}; in the executor's first step it was "
+            f"{want!r} (data-dependent control flow or a different model)"
+        )
+
+    # the saved-tensor pack hook (only when the plan swaps something)
+    def pack(self, t: torch.Tensor) -> Any:
+        k = self.packs
+        self.packs = k + 1
+        tb = self.t
+        if k >= self.limit:
+            raise PlanMismatchError(
+                f"a segment saved more tensors than in the executor's first step ({self.limit} packs "
+                "up to its end; data-dependent control flow?)"
+            )
+        if tb.acts[k] == 0:
+            return t
+        return self._swap(k, t)
+
+    def _swap(self, k: int, t: torch.Tensor) -> Any:
+        st = self.state
+        tb = self.t
+        first = tb.first[k]
+        owner = tb.owner[k]
+        if first == k:
+            entry = _Entry(st, owner, k, t)
+            st.entries[k] = entry
+            st.by_unit[owner].append(entry)
+            st.stats.swap_storages += 1
+            st.stats.swap_bytes += entry.nbytes
+        else:
+            entry = st.entries.get(first)  # type: ignore[assignment]
+            if (entry is None or entry.host is None or entry.ref.expired() or entry.version != t._version
+                    or entry.ref.cdata != StorageWeakRef(t.untyped_storage()).cdata):
+                raise PlanMismatchError(
+                    f"saved tensor {k} of this forward is not the storage version saved as tensor {first}, "
+                    "as it was in the executor's first step (data-dependent control flow?)"
+                )
+        digest = what = None
+        if st.verify:
+            digest = checksum(t)
+            what = f"swap of a saved tensor of unit {owner} ({tb.names[owner]})"
+        return _SwapHandle(st, entry, ViewMeta.of(t), t.device, digest, what or "")
+
+    def finish(self, out: Any) -> None:
+        tb = self.t
+        if self.calls != len(tb.modules):
+            raise PlanMismatchError(
+                f"the model ran {self.calls} unit-module calls, {len(tb.modules)} in the executor's first step"
+            )
+        if self.armed:
+            self.disarm(len(tb.acts))
+        st = self.state
+        st.stats.units = len(tb.pack_start)
+        last = len(tb.pack_start) - 1
+        prefetch_last = bool(tb.swaps) and last in st.prefetch_at
+        # one hook per output and step: the backward of this step starts here
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                if prefetch_last:
+                    leaf.register_hook(st.guarded(lambda grad: st.issue_prefetches(last)))
+                leaf.register_hook(st.guarded(lambda grad: st.enter_backward()))
+
+
+def _remove_hooks(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+# ------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------
 
@@ -1034,6 +1324,13 @@ class Executor:
         self._backend = backend
         self.last_stats: Optional[StepStats] = None
         self._states: "weakref.WeakSet[_StepState]" = weakref.WeakSet()
+        #: plans without recomputed units run the lean path after the first step
+        self.lean = "recompute" not in self.actions
+        self._table: Optional[_Table] = None
+        self._work: List[bool] = []
+        self._cell: List[Optional[_LeanStep]] = [None]  # the armed step, read by the unit hooks
+        self._hooks: List[Any] = []
+        self._hooks_finalizer: Optional[weakref.finalize] = None
 
     @property
     def backend(self) -> Any:
@@ -1047,10 +1344,13 @@ class Executor:
         if "swap" in self.actions:
             _ = self.backend
         self.abort_interrupted()
+        if self._table is not None:
+            return self._lean_forward(args, kwargs)
         state = _StepState(self)
         self._states.add(state)
         self.last_stats = state.stats
-        tracker = _PlanTracker(self, state)
+        learn = _Table() if self.lean else None
+        tracker = _PlanTracker(self, state, learn)
         try:
             with tracker:
                 out = self.model(*args, **kwargs)
@@ -1071,6 +1371,82 @@ class Executor:
         except BaseException:
             state.abort()
             raise
+        if learn is not None:
+            self._arm_lean(learn.finish(state.names))
+        return out
+
+    # ------------------------------------------------------------------ the lean path
+
+    def _arm_lean(self, table: _Table) -> None:
+        """After a full step of a plan without recomputed units: keep its table, precompute the
+        boundary work per unit and install the unit hooks (once; removed by close() or a failed
+        step)."""
+        n = len(table.pack_start)
+        fwd_deadline = {int(label[4:]) for label in self.swap_deadlines if label.startswith("fwd:")}
+        first_swap = n
+        for k, a in enumerate(table.acts):
+            if a:
+                first_swap = max(u for u in range(n) if table.pack_start[u] <= k)
+                break
+        self._work = [u in fwd_deadline or u in self.prefetch_at or (u - 1) in self.prefetch_at or u > first_swap
+                      for u in range(n)]
+        self._table = table
+        self._install()
+
+    def _install(self) -> None:
+        if self._hooks:
+            return
+        cell = self._cell
+
+        def unit_pre_hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
+            step = cell[0]
+            if step is not None:
+                step.unit_start(module, args)
+
+        def unit_post_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            step = cell[0]
+            if step is not None:
+                step.unit_end(module, output)
+
+        table = self._table
+        assert table is not None
+        post = {id(table.modules[c]) for c, u in enumerate(table.call_unit) if u in self.prefetch_at}
+        for module in self.unit_modules:
+            self._hooks.append(module.register_forward_pre_hook(unit_pre_hook))
+            if id(module) in post:  # modules of prefetch stages' units
+                self._hooks.append(module.register_forward_hook(unit_post_hook))
+        # the hooks hold no reference to the executor; if it is dropped without close(), they go
+        self._hooks_finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
+
+    def _uninstall(self) -> None:
+        self._cell[0] = None
+        self._table = None
+        if self._hooks_finalizer is not None:
+            self._hooks_finalizer.detach()
+            self._hooks_finalizer = None
+        _remove_hooks(self._hooks)
+
+    def _lean_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        table = self._table
+        assert table is not None
+        state = _StepState(self)
+        state.names = table.names
+        self.last_stats = state.stats
+        step = _LeanStep(self, state, table, self._work)
+        self._states.add(state)
+        self._cell[0] = step
+        try:
+            out = self.model(*args, **kwargs)
+            self._cell[0] = None
+            step.finish(out)
+        except BaseException:
+            self._cell[0] = None
+            if step.armed:
+                step.disarm(None)
+            # a failed step leaves nothing behind; the next one starts with a full step
+            state.abort()
+            self._uninstall()
+            raise
         return out
 
     def abort_interrupted(self) -> int:
@@ -1088,7 +1464,8 @@ class Executor:
         return n
 
     def close(self) -> None:
-        """Close the backend if this executor created it."""
+        """Remove the executor's hooks from the model; close the backend if this executor created it."""
+        self._uninstall()
         if self._own_backend and self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -1101,6 +1478,11 @@ class PlannedModule(nn.Module):
     per unit). ``backend``: the host tier (default: CpuBackend on CPU, CudaBackend on CUDA).
     ``units``: the coarse unit choice the plan was made with (see units.discover_units).
     ``verify``: checksum every moved or dropped tensor (default: ``TENSORPLACE_VERIFY``).
+
+    For a plan without recomputed units, after the first training step one forward pre-hook
+    stays on every unit module (a no-op outside this module's steps; a forward hook too on the
+    units of prefetch stages); :meth:`close` removes them, and so does a failed step or dropping
+    this module.
     """
 
     def __init__(

@@ -8,15 +8,18 @@ minimise step time under a budget, and train under that plan::
     fast = tp.run(model, plan)
 
 The planner works on profiles too: ``tp.plan_profile(tp.examples.profile("vgg16"), "4GiB")``.
+``tp.allocator`` simulates what an allocation sequence costs in reserved memory under PyTorch's
+CUDA caching allocator, and replays recorded allocator traces.
 """
 
-from . import examples
+from . import allocator, examples
 from .api import plan, run
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
 from .planning import Plan, evaluate, load_profile, lower_bound, plan_profile, save_profile, unplanned_peak
 
 __all__ = [
+    "allocator",
     "plan",
     "run",
     "BudgetError",

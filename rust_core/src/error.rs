@@ -16,6 +16,8 @@ pub enum CoreError {
     NoFeasiblePlan { budget: u64, smallest_known: u64, lower_bound: u64 },
     /// A search setting is out of range.
     InvalidSetting(String),
+    /// An allocator trace or event sequence that cannot be replayed.
+    InvalidTrace(String),
 }
 
 fn mib(b: u64) -> String {
@@ -46,6 +48,7 @@ impl fmt::Display for CoreError {
                 mib(*smallest_known)
             ),
             CoreError::InvalidSetting(m) => write!(f, "invalid setting: {m}"),
+            CoreError::InvalidTrace(m) => write!(f, "invalid allocator events: {m}"),
         }
     }
 }

@@ -398,11 +398,16 @@ impl<'a> Sim<'a> {
     /// Replay unit `u`'s forward, chaining through inputs that are not resident.
     fn replay(&mut self, u: usize, i: usize) {
         let g = self.g;
+        let mut kept = 0u64;
         for &p in &g.replay_inputs[u] {
             // A value of a unit recomputed in another run is held since the forward (as
-            // torch.utils.checkpoint keeps its inputs); everything else is made resident.
+            // torch.utils.checkpoint keeps its inputs). So is one of a retained unit whose
+            // activations have already been let go (its readers ran): the replay reads the held
+            // value, counted while it runs. Everything else is made resident.
             let held = self.actions[p] == Action::Recompute && p < self.s.run_start[u];
-            if g.act[p] > 0 && !held {
+            if self.actions[p] == Action::Retain && !self.s.resident[p] {
+                kept += g.act[p];
+            } else if g.act[p] > 0 && !held {
                 self.ensure(p, i);
             }
         }
@@ -420,7 +425,7 @@ impl<'a> Sim<'a> {
         }
         // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
         // its transient and gradients).
-        self.make_room(g.act[u] + g.replay_extra[u] + regenerated + g.bwd_transient[i] + g.grad[i]);
+        self.make_room(g.act[u] + g.replay_extra[u] + regenerated + kept + g.bwd_transient[i] + g.grad[i]);
         if self.record {
             self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
         }

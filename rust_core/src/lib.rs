@@ -8,8 +8,11 @@
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
+//! - [`allocator`]: reserved memory of an allocation sequence under PyTorch's caching allocator
+//!   or moDNN's offset pool; replay of recorded allocator traces.
 
 pub mod action;
+pub mod allocator;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;

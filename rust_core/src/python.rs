@@ -1,6 +1,7 @@
 //! The thin PyO3 layer: JSON text in, JSON text or plain values out. Long searches release the GIL.
 
 use crate::action::Action;
+use crate::allocator as alloc;
 use crate::error::CoreError;
 use crate::evaluator::{evaluate_segments, EvalOptions, Outcome, Scratch};
 use crate::peak;
@@ -191,6 +192,37 @@ fn validate_plan(plan_json: &str, profile_json: Option<&str>) -> PyResult<String
     Ok(plan.to_json())
 }
 
+/// Replay a `cuda-caching-allocator-trace` (JSON text); `options_json`: allocator Options
+/// (rust_core/src/allocator/mod.rs). Returns the replay as JSON text. Releases the GIL.
+#[pyfunction]
+#[pyo3(signature = (trace_json, options_json="{}"))]
+fn allocator_replay(py: Python<'_>, trace_json: String, options_json: &str) -> PyResult<String> {
+    let options = alloc::Options::from_json(options_json).map_err(to_py)?;
+    let run = move || -> crate::error::Result<String> {
+        let trace = alloc::trace::Trace::from_json(&trace_json)?;
+        let base = if options.trace_layout.unwrap_or(true) { trace.conf()? } else { trace.plain_conf()? };
+        let conf = options.conf(Some(base))?;
+        let r = alloc::trace::replay_with(&trace, conf)?;
+        Ok(serde_json::to_string(&r).expect("replay serialises"))
+    };
+    py.allow_threads(run).map_err(to_py)
+}
+
+/// Simulate allocator events (JSON list of {"op": "alloc", "id", "size", "stream"} /
+/// {"op": "free", "id"}) under Options; returns the stats as JSON text. Releases the GIL.
+#[pyfunction]
+#[pyo3(signature = (events_json, options_json="{}"))]
+fn allocator_simulate(py: Python<'_>, events_json: String, options_json: &str) -> PyResult<String> {
+    let options = alloc::Options::from_json(options_json).map_err(to_py)?;
+    let run = move || -> crate::error::Result<String> {
+        let events: Vec<alloc::AllocEvent> = serde_json::from_str(&events_json)
+            .map_err(|e| CoreError::InvalidTrace(format!("allocator events: {e}")))?;
+        let stats = alloc::simulate(&events, &options.conf(None)?)?;
+        Ok(serde_json::to_string(&stats).expect("stats serialise"))
+    };
+    py.allow_threads(run).map_err(to_py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PlannerError", m.py().get_type::<PlannerError>())?;
@@ -205,5 +237,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(smallest_known_budget, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
     m.add_function(wrap_pyfunction!(validate_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(allocator_replay, m)?)?;
+    m.add_function(wrap_pyfunction!(allocator_simulate, m)?)?;
     Ok(())
 }

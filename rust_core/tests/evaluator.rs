@@ -116,10 +116,16 @@ fn a_replay_chains_through_a_saved_value_of_an_input_whose_output_is_not_saved()
     assert_eq!(stage_point(&with, Stage::Bwd(1)).peak, 10 + 20 + 10);
     assert_eq!(stage_point(&with, Stage::Bwd(0)).mem_start, 20);
     assert!((with.recompute - 3.0).abs() < 1e-9, "recompute {}", with.recompute);
-    // A profile without saved_inputs chains only through saved outputs: B1 replays unit 1 alone.
+    // A profile without saved_inputs chains only through saved outputs. Without held_from, unit
+    // 1's held bytes are taken to be unit 0's unsaved output: in one checkpoint segment the replay
+    // regenerates it (B1 replays unit 0: 20 kept, its output 10 alive, then unit 1: 5) ...
     let without = eval(&glue_pair(None), &[Recompute, Recompute], u64::MAX);
-    assert_eq!(stage_point(&without, Stage::Bwd(1)).peak, 10 + 5);
+    assert_eq!(stage_point(&without, Stage::Bwd(1)).peak, 20 + 10 + 5);
     assert!((without.recompute - 3.0).abs() < 1e-9);
+    // ... in separate segments it is held, and B1 replays unit 1 alone.
+    let split = eval_starts(&glue_pair(None), &[Recompute, Recompute], &[false, true]);
+    assert_eq!(stage_point(&split, Stage::Bwd(1)).peak, 10 + 5);
+    assert!((split.recompute - 3.0).abs() < 1e-9);
 }
 
 #[test]

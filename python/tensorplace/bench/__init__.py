@@ -11,6 +11,7 @@ from a shell.
     tensorplace-bench convergence --model inception_v3 --png conv.png
     tensorplace-bench timeline --model resnet50 --png timeline.png
     tensorplace-bench peers --model gpt          # against torch's checkpointing and save_on_cpu, measured
+    tensorplace-bench allocator ...              # caching-allocator simulation of traces (its own --help)
     tensorplace-bench models                     # the model zoo
 
 Real models (``--model``): the package's examples (gpt, tinygpt, inception), any torchvision
@@ -32,6 +33,7 @@ import argparse
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
+from .. import allocator
 from . import accuracy, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
 from .common import Output, versions, where
 
@@ -43,6 +45,7 @@ COMMANDS: List[Callable[[Any], None]] = [
     plan.add_cli,
     maxbatch.add_cli,
     peers.add_cli,
+    allocator.add_cli,
     compare.add_cli,
     convergence.add_cli,
     timeline.add_cli,
@@ -59,14 +62,16 @@ def parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():
         if not any("--json" in act.option_strings for act in p._actions):
             p.add_argument("--json", metavar="PATH", help="write the figures this command prints to PATH as JSON")
+            p.set_defaults(_bench_json=True)  # commands with their own --json write it themselves
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
-    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions()} if a.json else {}
-    a.out = Output(a.json, header)
+    path = a.json if getattr(a, "_bench_json", False) else None
+    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions()} if path else {}
+    a.out = Output(path, header)
     rc = 1
     try:
         rc = int((getattr(a, "fn", None) or a.func)(a))
