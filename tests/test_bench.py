@@ -1,51 +1,329 @@
-"""tensorplace-bench subcommands run and print what they claim (small settings)."""
+"""tensorplace-bench subcommands run end to end on small models and print and write (--json,
+--png) what they claim; argument errors say what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
-from tensorplace.bench import main
+import tensorplace as tp
+from tensorplace import examples
+from tensorplace.bench import main, parser
+from tensorplace.bench import common
+from tensorplace.bench.maxbatch import extrapolate
+
+SEARCH = ["--iterations", "5", "--particles", "10"]
+# TinyGPT 2 x 32 on 16 tokens: a real model small enough for the tests
+TINY = ["--model", "tinygpt", "--seq", "16", "--repeats", "1"]
 
 
-def test_compare_prints_every_method(capsys):
-    assert main(["compare", "--model", "plain20", "--batch", "8", "--iterations", "5", "--particles", "10",
-                 "--fractions", "0.5", "--methods", "pso", "swap-all", "recompute-all"]) == 0
+def run_json(tmp_path: Path, args: list, rc: int = 0) -> dict:
+    out = tmp_path / f"{args[0]}.json"
+    assert main(args + ["--json", str(out)]) == rc
+    data = json.loads(out.read_text())
+    assert data["command"] == args[0] and data["exit_code"] == rc and data["versions"]["torch"] == torch.__version__
+    return data
+
+
+def rich_rows(text: str) -> dict:
+    """First two cells of each row of the rich tables printed."""
+    return {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in text.splitlines() if line.count("│") >= 3}
+
+
+def test_every_subcommand_takes_json():
+    sub = next(a for a in parser()._actions if a.dest == "cmd")
+    for name in ("demo", "accuracy", "profile", "plan", "maxbatch", "peers", "allocator", "compare", "convergence", "timeline",
+                 "models"):
+        assert name in sub.choices
+    for name, p in sub.choices.items():
+        assert any("--json" in act.option_strings for act in p._actions), name
+
+
+@pytest.mark.slow
+def test_compare_prints_every_method(capsys, tmp_path):
+    data = run_json(tmp_path, ["compare", "--model", "plain20", "--batch", "8", *SEARCH, "--fractions", "0.5",
+                               "--methods", "pso", "swap-all", "recompute-all", "no-such-method"])
     out = capsys.readouterr().out
     for word in ("pso", "swap-all", "recompute-all", "plain20"):
         assert word in out
+    assert "skipping method 'no-such-method'" in out and data["skipped_methods"] == ["no-such-method"]
+    rows = {r["method"]: r for r in data["rows"]}
+    assert set(rows) == {"pso", "swap-all", "recompute-all"}
+    assert data["lower_bound_bytes"] <= rows["pso"]["budget_bytes"] <= data["unplanned_peak_bytes"]
+    for r in rows.values():
+        if r["feasible"]:
+            assert r["predicted_peak_bytes"] <= r["budget_bytes"]
+            assert f"{r['predicted_step_time'] * 1e3:.2f}" in out
 
 
-def test_maxbatch_planning_fits_at_least_the_unplanned_batch(capsys):
-    assert main(["maxbatch", "--model", "plain20", "--memory", "64MiB", "--iterations", "3", "--particles", "8",
-                 "--methods", "unplanned", "pso"]) == 0
-    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
-            for line in capsys.readouterr().out.splitlines() if line.count("│") >= 3}
+def test_maxbatch_builtin_planning_fits_at_least_the_unplanned_batch(capsys, tmp_path):
+    data = run_json(tmp_path, ["maxbatch", "--builtin", "plain20", "--memory", "64MiB", "--iterations", "3",
+                               "--particles", "8", "--methods", "unplanned", "pso"])
+    rows = {k: v[0] for k, v in rich_rows(capsys.readouterr().out).items()}
     assert int(rows["pso"]) >= int(rows["unplanned"]) > 0
+    js = {r["method"]: r for r in data["rows"]}
+    assert js["pso"]["max_batch"] == int(rows["pso"]) and js["unplanned"]["max_batch"] == int(rows["unplanned"])
+    # the batch found fits and the next one does not
+    b = js["unplanned"]["max_batch"]
+    assert tp.unplanned_peak(examples.profile("plain20", batch_size=b)) <= 64 * 2**20
+    assert tp.unplanned_peak(examples.profile("plain20", batch_size=b + 1)) > 64 * 2**20
 
 
 def test_convergence_reports_the_trace(capsys, tmp_path):
     png = tmp_path / "c.png"
-    args = ["convergence", "--model", "squeezenet", "--batch", "4", "--iterations", "6", "--particles", "12"]
-    try:
-        import matplotlib  # noqa: F401
-
-        args += ["--png", str(png)]
-    except ImportError:
-        png = None
-    assert main(args) == 0
+    data = run_json(tmp_path, ["convergence", "--model", "squeezenet", "--batch", "4", "--iterations", "6",
+                               "--particles", "12", "--png", str(png)])
     out = capsys.readouterr().out
     assert "within 1% of the final best" in out
-    if png is not None:
-        assert png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = [b for b in data["convergence"]["best"] if b is not None]
+    assert len(data["convergence"]["best"]) == 6 and best == sorted(best, reverse=True)
+    assert data["predicted_step_time"] == pytest.approx(best[-1])
 
 
-def test_timeline_prints_stages(capsys):
-    assert main(["timeline", "--model", "plain20", "--batch", "4", "--iterations", "3", "--particles", "6"]) == 0
+def test_timeline_draws_streams_and_memory(capsys, tmp_path):
+    png = tmp_path / "t.png"
+    data = run_json(tmp_path, ["timeline", "--model", "plain20", "--batch", "4", *SEARCH, "--fraction", "0.2",
+                               "--png", str(png)])
     out = capsys.readouterr().out
     assert "fwd:0" in out and "bwd:0" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prof = examples.profile("plain20", batch_size=4)
+    planned, stages = data["planned"], data["stages"]
+    assert len(stages) == 2 * len(prof["units"])
+    for s, nxt in zip(stages, stages[1:]):
+        assert s["start"] <= s["compute_start"] <= s["end"] == nxt["start"]
+    assert stages[-1]["end"] == pytest.approx(planned["step_time"])
+    assert max(s["peak"] for s in stages) == planned["peak_bytes"] <= data["budget_bytes"]
+    # copies: in order on each copy queue, each as long as its bytes over the bandwidth
+    copies = planned["copies"]
+    assert copies, "a plan at 20% of the way from the lower bound swaps something"
+    for q in {c["queue"] for c in copies}:
+        on_q = [c for c in copies if c["queue"] == q]
+        for c, nxt in zip(on_q, on_q[1:]):
+            assert c["end"] <= nxt["start"] + 1e-12
+    for c in copies:
+        bw = prof["d2h_bandwidth"] if c["direction"] == "d2h" else prof["h2d_bandwidth"]
+        assert c["end"] - c["start"] == pytest.approx(c["bytes"] / bw)
+    assert sum(c["end"] - c["start"] for c in copies) == pytest.approx(planned["copy_time"])
+    assert sum(r["end"] - r["start"] for r in planned["replays"]) == pytest.approx(planned["recompute"])
 
 
-@pytest.mark.parametrize("model", ["gpt"])
-def test_demo_trains_under_the_plan_within_the_budget(capsys, model):
-    assert main(["demo", "--model", model, "--batch", "4", "--seq", "64", "--iterations", "10", "--particles", "20",
-                 "--repeats", "1"]) == 0
+def test_timeline_of_a_saved_plan(tmp_path, capsys):
+    prof = examples.profile("plain20", batch_size=4)
+    path = tmp_path / "prof.json"
+    tp.save_profile(prof, path)
+    p = tp.plan_profile(prof, tp.unplanned_peak(prof) * 3 // 4, "swap-all")
+    p.save(tmp_path / "plan.json")
+    data = run_json(tmp_path, ["timeline", "--plan", str(tmp_path / "plan.json"), "--profile", str(path)])
+    assert data["method"] == "swap-all" and data["planned"]["step_time"] == pytest.approx(p.predicted["step_time"])
+    other = tp.plan_profile(examples.profile("plain20", batch_size=5), "1GiB", "retain")
+    other.save(tmp_path / "other.json")
+    with pytest.raises(SystemExit, match="does not belong to this profile"):
+        main(["timeline", "--plan", str(tmp_path / "other.json"), "--profile", str(path)])
+
+
+def test_models_lists_the_zoo(tmp_path):
+    data = run_json(tmp_path, ["models"])
+    for name in ("gpt", "tinygpt", "inception", "resnet18", "vit_b_16"):
+        assert name in data["models"]
+
+
+@pytest.mark.slow
+def test_demo_trains_under_the_plan_within_the_budget(capsys, tmp_path):
+    data = run_json(tmp_path, ["demo", *TINY, "--batch", "4", *SEARCH, "--fraction", "0.3"])
     out = capsys.readouterr().out
     assert "measured peak within the budget" in out and "predicted" in out
+    assert data["planned"]["peak_bytes"] <= data["budget_bytes"] < data["unplanned"]["peak_bytes"]
+    assert data["planned"]["peak_bytes"] <= data["predicted"]["peak_bytes"]
+    assert sum(data["counts"].values()) > 0 and data["counts"]["retain"] < sum(data["counts"].values())
+
+
+@pytest.mark.slow
+def test_accuracy_measures_each_plan(capsys, tmp_path):
+    data = run_json(tmp_path, ["accuracy", *TINY, "--batch", "4", *SEARCH, "--fractions", "0.3",
+                               "--methods", "pso", "swap-all"])
+    rows = data["rows"]
+    assert [r["method"] for r in rows] == ["pso", "swap-all"]
+    for r in rows:
+        assert r["feasible"] and r["measured_peak_bytes"] <= r["budget_bytes"]
+        assert r["time_error"] == pytest.approx(abs(r["predicted_step_time"] - r["measured_step_time"]) / r["measured_step_time"])
+    assert "evaluator accuracy, tinygpt" in capsys.readouterr().out
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensorplace.bench", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_profile_then_plan_in_other_processes_gives_plan_profiles_plan(tmp_path):
+    r = _cli("profile", *TINY, "--batch", "4", "-o", "p.json", "--json", "pj.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    prof = tp.load_profile(tmp_path / "p.json")
+    assert prof["measured"]["peak_bytes"] == json.loads((tmp_path / "pj.json").read_text())["measured"]["peak_bytes"]
+    budget = (tp.lower_bound(prof) + tp.unplanned_peak(prof)) // 2
+    r = _cli("plan", "p.json", "--budget", str(budget), "--seed", "3", *SEARCH, "-o", "plan.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "plan saved to plan.json" in r.stdout
+    saved = tp.Plan.load(tmp_path / "plan.json")
+    here = tp.plan_profile(prof, budget, seed=3, iterations=5, particles=10)
+    assert saved.actions == here.actions and saved.prefetch == here.prefetch and saved.predicted == here.predicted
+    assert saved.to_dict()["profile"] == prof and saved.model_fingerprint == prof["model_fingerprint"]
+    # ... and run() uses it on the model it was profiled for, and refuses another one
+    rm = common.build_model("tinygpt", 4, seq=16)
+    fast = tp.run(rm.model, str(tmp_path / "plan.json"))
+    rm.loss_fn(fast(*rm.inputs)).backward()
+    fast.close()
+    assert all(p.grad is not None for p in rm.model.parameters())
+    with pytest.raises(tp.PlannerError, match="another model"):
+        tp.run(common.build_model("gpt", 4, seq=16).model, str(tmp_path / "plan.json"))
+
+
+def test_plan_refuses_an_impossible_budget(tmp_path, capsys):
+    prof = examples.profile("plain20", batch_size=4)
+    tp.save_profile(prof, tmp_path / "p.json")
+    data = run_json(tmp_path, ["plan", str(tmp_path / "p.json"), "--budget", "1MiB", "-o", str(tmp_path / "x.json")], rc=1)
+    assert "cannot plan" in capsys.readouterr().out and data["error"]
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_model_by_import_path(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import torch
+        def mlp(batch, classes):
+            model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 32), torch.nn.ReLU(),
+                                        torch.nn.Linear(32, classes))
+            return model, torch.randn(batch, 3, 4, 4)
+        def bare():
+            return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = run_json(tmp_path, ["profile", "--model", "mymodels:mlp", "--batch", "6", "--classes", "7", "--repeats", "1",
+                               "-o", str(tmp_path / "p.json")])
+    assert data["inputs"] == "(6, 3, 4, 4)" and data["units"] == 4
+    prof = tp.load_profile(tmp_path / "p.json")
+    assert prof["batch_size"] == 6 and prof["units"][-1]["grad_bytes"] == (32 * 7 + 7) * 4
+    rm = common.build_model("mymodels:bare", 5, input_shape=(3, 2, 2))
+    assert tuple(rm.inputs[0].shape) == (5, 3, 2, 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "p.json", "--budget", "lots"], "cannot read budget 'lots'"),
+    (["demo", "--fraction", "1.5"], "strictly between 0 and 1"),
+    (["demo", "--batch", "0"], "whole number >= 1"),
+    (["maxbatch", "--model", "tinygpt"], "--memory"),
+    (["compare", "--model", "resnet18"], "invalid choice: 'resnet18'"),
+    (["profile", "--model", "tinygpt", "--input-shape", "3xa", "-o", "x"], "dimensions like 3x64x64"),
+])
+def test_argument_errors_say_what_is_wrong(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "--model", "resnet_eighteen", "-o", "x"], "unknown model 'resnet_eighteen'"),
+    (["profile", "--model", "no_such_pkg:f", "-o", "x"], "cannot import 'no_such_pkg'"),
+    (["profile", "--model", "tensorplace.models:Nope", "-o", "x"], "has no attribute 'Nope'"),
+    (["plan", "missing.json", "--budget", "1GiB"], "no such file"),
+    (["maxbatch", *TINY, "--memory", "1GiB", "--probe-batches", "4", "4"], "two different batch sizes"),
+])
+def test_usage_errors_say_how_to_fix(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert message in str(e.value.code)
+
+
+def test_plan_names_the_methods_it_knows(tmp_path):
+    tp.save_profile(examples.profile("plain20", batch_size=2), tmp_path / "p.json")
+    with pytest.raises(SystemExit, match="does not know it; use pso"):
+        main(["plan", str(tmp_path / "p.json"), "--budget", "1GiB", "--method", "magic"])
+
+
+def test_extrapolated_profile_matches_the_profile_at_that_batch():
+    p4, p8, p16 = (examples.profile("resnet50", batch_size=b) for b in (4, 8, 16))
+    e = extrapolate(p4, 4, p8, 8, 16)
+    assert tp.unplanned_peak(e) == tp.unplanned_peak(p16)
+    for a, b in zip(e["units"], p16["units"]):
+        assert a["act_bytes"] == b["act_bytes"] and a["bwd_transient_bytes"] == b["bwd_transient_bytes"]
+    with pytest.raises(ValueError, match="different units"):
+        extrapolate(p4, 4, examples.profile("plain20", batch_size=8), 8, 16)
+
+
+def test_repeated_blocks_and_block_checkpoints():
+    import torchvision
+
+    r18 = torchvision.models.resnet18(num_classes=10)
+    blocks = common.repeated_blocks(r18)
+    assert len(blocks) == 8 and {type(b).__name__ for _, _, b in blocks} == {"BasicBlock"}
+    rm = common.build_model("tinygpt", 3, seq=16)
+    wrapped, n = common.with_block_checkpoints(rm.model)
+    assert n == 2
+    for m in (rm.model, wrapped):
+        torch.manual_seed(1)
+        rm.loss_fn(m(*rm.inputs)).backward()
+    for (name, p), q in zip(rm.model.named_parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.slow
+def test_maxbatch_on_a_real_model_is_confirmed_by_measured_steps(capsys, tmp_path):
+    memory = 2**20
+    data = run_json(tmp_path, ["maxbatch", *TINY, "--memory", str(memory), *SEARCH, "--probe-batches", "2", "4",
+                               "--methods", "pso", "unplanned", "torch-checkpoint", "checkpoint-blocks-not-yet"])
+    out = capsys.readouterr().out
+    assert "skipping method 'checkpoint-blocks-not-yet'" in out
+    rows = {r["method"]: r for r in data["rows"]}
+    assert set(rows) == {"pso", "unplanned", "torch-checkpoint"}
+    for r in rows.values():
+        assert r["confirmed_batch"] is not None and 1 <= r["confirmed_batch"] <= r["predicted_batch"]
+        assert r["measured_peak_bytes"] <= memory
+        assert r["samples_per_s"] == pytest.approx(r["confirmed_batch"] / r["measured_step_time"])
+        assert r["attempts"][-1]["fits"] and not any(t["fits"] for t in r["attempts"][:-1])
+    assert rows["pso"]["predicted_batch"] >= rows["unplanned"]["confirmed_batch"]
+    table = rich_rows(out)
+    assert table["pso"][1] == str(rows["pso"]["confirmed_batch"])
+
+
+def test_progress_bars_nest(monkeypatch, capsys):
+    """maxbatch profiles inside its own bar: nested bars share one live display."""
+    monkeypatch.setattr(common, "_FORCE_PROGRESS", True)
+    with common.progress("outer", total=2) as outer:
+        with common.progress("inner") as inner:
+            assert inner._p is outer._p is common._ACTIVE and inner._t != outer._t
+        outer.advance()
+        assert [t.description for t in outer._p.tasks] == ["outer"]
+    assert common._ACTIVE is None
+    assert "outer" in capsys.readouterr().err
+
+
+def test_json_is_written_as_figures_arrive(tmp_path):
+    """A run that dies later keeps what it measured (the GPU-machine habit)."""
+    path = tmp_path / "o.json"
+    out = common.Output(str(path), {"command": "x"})
+    out.append("rows", {"batch": 3})
+    assert json.loads(path.read_text()) == {"command": "x", "rows": [{"batch": 3}]}
+    out.update(model="m")
+    out.flush(exit_code=0)
+    assert json.loads(path.read_text()) == {"command": "x", "exit_code": 0, "rows": [{"batch": 3}], "model": "m"}
+
+
+@pytest.mark.slow
+def test_maxbatch_names_what_batch_one_needs_when_nothing_fits(capsys, tmp_path):
+    data = run_json(tmp_path, ["maxbatch", *TINY, "--memory", "64KiB", *SEARCH, "--probe-batches", "2", "4",
+                               "--methods", "swap-all", "unplanned"])
+    out = capsys.readouterr().out
+    for m in ("swap-all", "unplanned"):
+        assert f"{m}: no batch fits 64.0 KiB: at batch 1 it needs about" in out
+    assert all(r["predicted_batch"] == 0 and r["confirmed_batch"] is None for r in data["rows"])

@@ -148,7 +148,7 @@ def _pct(p: Optional[float]) -> str:
 
 def cmd_allocator(a: argparse.Namespace) -> int:
     """Replay recorded allocator traces; print simulated against recorded peaks."""
-    from .bench import _table
+    from .bench.common import table as _table
 
     rows: List[List[Any]] = []
     results: List[Dict[str, Any]] = []

@@ -101,6 +101,23 @@ pub struct Outcome {
     /// (stage, unit): the swap-out of `unit` has completed and its bytes left the device before
     /// `stage` starts (or before it allocates, when the stage waited for it), in FIFO order.
     pub swap_deadlines: Vec<(Stage, usize)>,
+    /// Copies on the copy stream, in issue order (recorded evaluations only).
+    pub copies: Vec<CopyEvent>,
+    /// Replays of recomputed units on the compute stream: (unit, backward stage, start, end),
+    /// recorded evaluations only.
+    pub replays: Vec<(usize, usize, f64, f64)>,
+}
+
+/// One copy on the copy stream: a swap-out (`to_host`) or a prefetch of `unit`'s activations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyEvent {
+    pub unit: usize,
+    pub to_host: bool,
+    /// The copy queue: 0, or 1 for prefetches when the profile has two copy engines.
+    pub queue: usize,
+    pub start: f64,
+    pub end: f64,
+    pub bytes: u64,
 }
 
 impl Outcome {
@@ -202,6 +219,8 @@ struct Sim<'a> {
     curve: Vec<CurvePoint>,
     prefetch: Vec<(usize, usize)>,
     deadlines: Vec<(Stage, usize)>,
+    copies: Vec<CopyEvent>,
+    replays: Vec<(usize, usize, f64, f64)>,
 }
 
 impl<'a> Sim<'a> {
@@ -322,6 +341,9 @@ impl<'a> Sim<'a> {
         let end = start + dur;
         self.copy_free[0] = end;
         self.copy_time += dur;
+        if self.record {
+            self.copies.push(CopyEvent { unit: u, to_host: true, queue: 0, start, end, bytes: self.g.act[u] });
+        }
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
         self.s.host[u] = true;
@@ -344,6 +366,9 @@ impl<'a> Sim<'a> {
         let end = start + dur;
         self.copy_free[q] = end;
         self.copy_time += dur;
+        if self.record {
+            self.copies.push(CopyEvent { unit: u, to_host: false, queue: q, start, end, bytes: self.g.act[u] });
+        }
         self.mem += self.g.act[u];
         self.touch(self.mem);
         self.s.resident[u] = true;
@@ -404,6 +429,9 @@ impl<'a> Sim<'a> {
         // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
         // its transient and gradients).
         self.make_room(g.act[u] + g.replay_extra[u] + regenerated + kept + g.bwd_transient[i] + g.grad[i]);
+        if self.record {
+            self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
+        }
         self.t += g.fwd_time[u];
         self.recompute += g.fwd_time[u];
         self.s.replayed[u] = true;
@@ -479,6 +507,8 @@ pub fn evaluate_segments(
         curve: Vec::new(),
         prefetch: Vec::new(),
         deadlines: Vec::new(),
+        copies: Vec::new(),
+        replays: Vec::new(),
     };
     if g.constant > budget {
         sim.excess = g.constant - budget;
@@ -650,6 +680,8 @@ pub fn evaluate_segments(
         curve: sim.curve,
         prefetch: sim.prefetch,
         swap_deadlines: sim.deadlines,
+        copies: sim.copies,
+        replays: sim.replays,
     }
 }
 

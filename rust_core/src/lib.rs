@@ -31,6 +31,6 @@ mod python;
 
 pub use action::Action;
 pub use error::{CoreError, Result};
-pub use evaluator::{evaluate, evaluate_segments, EvalOptions, Outcome, Score, Scratch, Stage};
+pub use evaluator::{evaluate, evaluate_segments, CopyEvent, EvalOptions, Outcome, Score, Scratch, Stage};
 pub use plan::Plan;
 pub use profile::{Graph, Profile};

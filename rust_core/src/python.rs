@@ -57,6 +57,19 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         o.prefetch.iter().map(|&(u, s)| json!({"unit": u, "issue_at_backward_of": s})).collect();
     let deadlines: Vec<serde_json::Value> =
         o.swap_deadlines.iter().map(|&(s, u)| json!({"unit": u, "before": s.label()})).collect();
+    let copies: Vec<serde_json::Value> = o
+        .copies
+        .iter()
+        .map(|c| {
+            json!({"unit": c.unit, "direction": if c.to_host { "d2h" } else { "h2d" }, "queue": c.queue, "start": c.start,
+                   "end": c.end, "bytes": c.bytes})
+        })
+        .collect();
+    let replays: Vec<serde_json::Value> = o
+        .replays
+        .iter()
+        .map(|&(u, i, s, e)| json!({"unit": u, "at_backward_of": i, "start": s, "end": e}))
+        .collect();
     json!({
         "step_time": o.step_time, "compute_time": o.compute_time, "swap_stall": o.swap_stall,
         "recompute": o.recompute, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
@@ -64,7 +77,7 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "end_bytes": o.end_bytes,
         "feasible": o.feasible,
         "excess": o.excess, "reason": o.reason, "curve": curve, "prefetch": prefetch,
-        "swap_deadlines": deadlines,
+        "swap_deadlines": deadlines, "copies": copies, "replays": replays,
     })
 }
 

@@ -1,0 +1,86 @@
+"""``tensorplace-bench``: the numbers behind docs/benchmarks.md and docs/results.md, reproducible
+from a shell.
+
+    tensorplace-bench demo                       # plan() and run() on a real model, measured
+    tensorplace-bench accuracy                   # predicted vs measured, several plans, real model
+    tensorplace-bench profile --model resnet18 -o r18.profile.json   # on the GPU machine
+    tensorplace-bench plan r18.profile.json --budget 6GiB -o r18.plan.json   # anywhere
+    tensorplace-bench maxbatch --model resnet18 --memory 300MiB   # largest batch per method, measured
+    tensorplace-bench maxbatch --builtin vgg16 --memory 11GiB     # the same, predicted on a builtin profile
+    tensorplace-bench compare --model resnet50   # methods side by side on a builtin profile
+    tensorplace-bench convergence --model inception_v3 --png conv.png
+    tensorplace-bench timeline --model resnet50 --png timeline.png
+    tensorplace-bench peers --model gpt          # against torch's checkpointing and save_on_cpu, measured
+    tensorplace-bench allocator ...              # caching-allocator simulation of traces (its own --help)
+    tensorplace-bench models                     # the model zoo
+
+Real models (``--model``): the package's examples (gpt, tinygpt, inception), any torchvision
+classification model by name, or your own as ``package.module:factory``; inputs are synthetic.
+Every subcommand takes ``--json PATH`` and writes the figures it prints there (with the command
+line, the device and the versions). Measured figures are labelled with the device.
+
+Adding a subcommand: write a module with ``add_cli(subparsers)`` that adds its parser and sets
+``fn`` (``p.set_defaults(fn=...)``), a function taking the parsed arguments and returning the exit
+code, which puts its figures into ``args.out`` (``args.out["rows"] = [...]``); then add one line
+``your_module.add_cli,`` to ``COMMANDS`` below (``func`` works as well as ``fn``). Shared helpers (model zoo, measuring, tables,
+progress bars, argument types) are in ``tensorplace.bench.common``. ``--json`` is added to
+every subcommand by ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, List, Optional, Sequence
+
+from .. import allocator
+from ..methods import bench as methods_bench
+from . import accuracy, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
+from .common import Output, versions, where
+
+# One line per subcommand: its module's add_cli(subparsers).
+COMMANDS: List[Callable[[Any], None]] = [
+    demo.add_cli,
+    accuracy.add_cli,
+    profile.add_cli,
+    plan.add_cli,
+    maxbatch.add_cli,
+    peers.add_cli,
+    allocator.add_cli,
+    methods_bench.add_cli,
+    compare.add_cli,
+    convergence.add_cli,
+    timeline.add_cli,
+    zoo.add_cli,
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tensorplace-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add_cli in COMMANDS:
+        add_cli(sub)
+    for p in sub.choices.values():
+        if not any("--json" in act.option_strings for act in p._actions):
+            p.add_argument("--json", metavar="PATH", help="write the figures this command prints to PATH as JSON")
+            p.set_defaults(_bench_json=True)  # commands with their own --json write it themselves
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    path = a.json if getattr(a, "_bench_json", False) else None
+    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions()} if path else {}
+    a.out = Output(path, header)
+    rc = 1
+    try:
+        rc = int((getattr(a, "fn", None) or a.func)(a))
+    finally:
+        a.out.flush(exit_code=rc)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
