@@ -1224,15 +1224,7 @@ def unplanned_step_stats(
         # measured the same way
         _, trace = memory_mod.measure_peak(_run_step, model, args, loss_fn, device=dev.type)
         delta = int(trace.peak_bytes)
-        times = []
-        for _ in range(int(repeats)):
-            _clear_grads(model)
-            clock.sync()
-            t0 = clock.now()
-            _run_step(model, args, loss_fn)
-            t1 = clock.now()
-            clock.sync()
-            times.append(clock.seconds(t0, t1))
+        times = [_timed_plain_step(model, args, loss_fn, clock) for _ in range(int(repeats))]
         _clear_grads(model)
         constant = sum(_constant_memory(model, args, optimizer).values())
     return {

@@ -405,10 +405,12 @@ impl<'a> Sim<'a> {
         for &p in &g.replay_inputs[u] {
             // A value of a unit recomputed in another run is held since the forward (as
             // torch.utils.checkpoint keeps its inputs). So is one of a retained unit whose
-            // activations have already been let go (its readers ran): the replay reads the held
-            // value, counted while it runs. Everything else is made resident.
+            // activations have already been let go (its readers ran), or of a unit of this run
+            // replayed and let go already (its replay kept the value for this one): the replay
+            // reads it, counted while it runs. Everything else is made resident.
             let held = self.actions[p] == Action::Recompute && p < self.s.run_start[u];
-            if self.actions[p] == Action::Retain && !self.s.resident[p] {
+            let let_go = self.actions[p] == Action::Retain || (self.actions[p] == Action::Recompute && self.s.replayed[p]);
+            if let_go && !self.s.resident[p] {
                 kept += g.act[p];
             } else if g.act[p] > 0 && !held {
                 self.ensure(p, i);
