@@ -78,13 +78,16 @@ def checkpoint_sqrt(model: nn.Module, blocks: Sequence[str]) -> Optional[nn.Modu
             return None
         by_parent.setdefault(parent, []).append(int(idx))
     size = max(1, round(math.sqrt(len(blocks))))
+    parents = list(by_parent)
     for parent, idxs in by_parent.items():
         container = out.get_submodule(parent)
         if not isinstance(container, (nn.Sequential, nn.ModuleList)) or idxs != list(range(len(container))):
             return None
         groups = [nn.Sequential(*[container[i] for i in idxs[k:k + size]]) for k in range(0, len(idxs), size)]
-        wrapped = [Checkpointed(g) for g in groups[:-1]] + [groups[-1]]  # the last group runs plainly
-        _replace(out, parent, type(container)(wrapped))
+        # as checkpoint_sequential: every group is checkpointed but the very last, which runs plainly
+        last = parent == parents[-1]
+        wrapped = [Checkpointed(g) for g in (groups[:-1] if last else groups)] + ([groups[-1]] if last else [])
+        _replace(out, parent, nn.Sequential(*wrapped) if isinstance(container, nn.Sequential) else nn.ModuleList(wrapped))
     return out
 
 

@@ -268,6 +268,8 @@ def _inception(batch: int, image: int, seq: int, classes: int) -> Tuple[Any, Tup
 
 
 register_model("gpt", "the package's TinyGPT: 4 layers, width 256, 4 heads, vocabulary 512; --seq tokens", _gpt(512, 256, 4, 4))
+register_model("gpt6", "TinyGPT: 6 layers, width 256, 4 heads, vocabulary 512; --seq tokens (issue 6's CPU comparison)",
+               _gpt(512, 256, 4, 6))
 register_model("gpt12", "TinyGPT at GPT-2 small's shape: 12 layers, width 768, 12 heads, vocabulary 8192; --seq tokens "
                "(the GPT measured on the H100, shared/GPU.md)", _gpt(8192, 768, 12, 12))
 register_model("tinygpt", "TinyGPT: 2 layers, width 32, 4 heads, vocabulary 64; --seq tokens (for tests)", _gpt(64, 32, 4, 2))
