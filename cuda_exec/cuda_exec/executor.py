@@ -1107,14 +1107,7 @@ class _PlanTracker(UnitTracker):
         return handle
 
     def on_unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Handle):
-            try:
-                packed.state.enter_backward()
-                return packed.unpack()
-            except BaseException:
-                packed.state.abort()
-                raise
-        return packed
+        return _unpack_handle(packed)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1123,6 +1116,8 @@ class _PlanTracker(UnitTracker):
 
 
 def _unpack_handle(packed: Any) -> torch.Tensor:
+    """Autograd needs a saved tensor back (full tracker and lean path alike): a handle's tensor,
+    aborting the step if getting it fails."""
     if isinstance(packed, _Handle):
         try:
             packed.state.enter_backward()
