@@ -760,6 +760,7 @@ class _StepState:
         self.dead = False
         self.backward_running = False
         self._warned = False
+        self.kept: Set[str] = set()  #: stage labels whose swap deadlines were kept
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
 
@@ -846,8 +847,9 @@ class _StepState:
         if poll is not None:
             poll()
         units = self.swap_deadlines.get(label)
-        if not units:
+        if not units or label in self.kept:
             return
+        self.kept.add(label)
         # release_offload: the compute stream waits for the copy and the source is dropped (CUDA:
         # a device-side wait, the host does not block; CPU: no streams, the host waits)
         wait = getattr(self.backend, "release_offload", None) or getattr(self.backend, "wait_offload", None)
@@ -861,14 +863,23 @@ class _StepState:
                     self.stats.deadline_waits += 1
         self.stats.deadline_wait_s += time.perf_counter() - t0
 
+    def forward_done(self, units: int) -> None:
+        """At the end of the forward: keep the swap deadlines of the first backward stage now.
+        The cost model's first backward stage includes the loss and its backward, which run
+        before any hook of the executor's part of the graph."""
+        if units:
+            self.stage_boundary(f"bwd:{units - 1}")
+
     def issue_prefetches(self, stage: int) -> None:
         self.enter_backward()
         if stage in self.fired or self.dead:
             return
         self.fired.add(stage)
         self.stage_boundary(f"bwd:{stage}")
-        self.stats.prefetch_stages.append(stage)
-        for u in self.prefetch_at.get(stage, ()):
+        units = self.prefetch_at.get(stage, ())
+        if units:
+            self.stats.prefetch_stages.append(stage)
+        for u in units:
             for e in self.by_unit.get(u, ()):
                 e.prefetch()
 
@@ -1262,6 +1273,7 @@ class _LeanStep:
             self.disarm(len(tb.acts))
         st = self.state
         st.stats.units = len(tb.pack_start)
+        st.forward_done(len(tb.pack_start))
         last = len(tb.pack_start) - 1
         prefetch_last = bool(tb.swaps) and last in st.prefetch_at
         # one hook per output and step: the backward of this step starts here
@@ -1309,9 +1321,15 @@ class Executor:
         #: per unit, the first unit of the run of consecutive recomputed units containing it
         self.run_start = run_starts(self.actions, segment_starts)
         self.names = list(names) if names is not None else None
+        #: backward stage -> units whose copy back it issues (the plan's prefetch schedule)
         self.prefetch_at: Dict[int, List[int]] = defaultdict(list)
         for unit, stage in prefetch:
             self.prefetch_at[int(stage)].append(int(unit))
+        # a backward stage with a swap deadline runs its boundary even when it prefetches nothing
+        # (the boundary is where the deadline is kept; its stage hook is the prefetch hook)
+        for label in self.swap_deadlines:
+            if label.startswith("bwd:"):
+                self.prefetch_at[int(label[4:])]  # noqa: B018 - defaultdict: an empty entry
         self.prefetch_at = dict(self.prefetch_at)
         self.unit_modules = discover_units(model, units)
         self.verify = verify_from_env() if verify is None else bool(verify)
@@ -1357,6 +1375,7 @@ class Executor:
                 raise PlanMismatchError(
                     f"the model ran {len(tracker.segments)} units but the plan has {len(self.actions)}"
                 )
+            state.forward_done(len(tracker.segments))
             state.note_dropped_alive(len(tracker.segments))
             state.dropped = {}
             for rt in state.runtimes.values():
