@@ -656,6 +656,123 @@ def test_next_forward_frees_a_step_interrupted_in_backward() -> None:
     assert backend.stats().buffers_in_use == 0
 
 
+def _interrupted_step(planned: PlannedModule, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A step whose backward fails half-way (a user's gradient hook raises); returns its output,
+    which keeps the rest of the graph alive, as a user's variable would."""
+    out = planned(x)
+    h = model.block1.b1.conv.weight.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("user hook")))
+    try:
+        with pytest.raises(RuntimeError, match="user hook"):
+            loss_fn(out, y).backward()
+    finally:
+        h.remove()
+    return out
+
+
+def _grads_after_step(module: nn.Module, params: nn.Module, x: torch.Tensor, y: torch.Tensor) -> List[torch.Tensor]:
+    params.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    loss_fn(module(x), y).backward()
+    return [p.grad.clone() for p in params.parameters()]
+
+
+def test_close_frees_a_step_interrupted_in_backward() -> None:
+    model, x, y = make("inception")
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap", "recompute"] * (n // 2) + ["swap"] * (n % 2), backend=backend)
+    out = _interrupted_step(planned, model, x, y)
+    assert backend.stats().buffers_in_use > 0
+    planned.close()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    _assert_no_hooks(model)
+    del out
+    backend.close()
+
+
+def test_close_before_backward_frees_the_step_and_refuses_its_graph() -> None:
+    model, x, y = make("inception")
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap"] * n, backend=backend)
+    loss = loss_fn(planned(x), y)
+    planned.close()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    with pytest.raises(StepAbortedError):
+        loss.backward()
+    backend.close()
+
+
+def test_a_new_run_on_the_model_frees_an_earlier_runs_interrupted_step() -> None:
+    """A failed step of one executor, then training under a new executor on the same model
+    (without close()): the new forward aborts the old step, and trains exactly."""
+    model, x, y = make("inception")
+    ref = copy.deepcopy(model)
+    n = len(records(model, x))
+    old_backend, new_backend = CpuBackend(), CpuBackend()
+    old = PlannedModule(model, ["swap"] * n, backend=old_backend)
+    out = _interrupted_step(old, model, x, y)
+    assert old_backend.stats().buffers_in_use > 0
+    new = PlannedModule(model, cycle(n, ["recompute", "swap", "retain"]), backend=new_backend)
+    got = _grads_after_step(new, model, x, y)
+    old_backend.synchronize()
+    assert old_backend.stats().buffers_in_use == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    del out
+    new.close()
+    for b in (old_backend, new_backend):
+        b.close()
+
+
+class FailingBackend(CpuBackend):
+    """A CPU backend whose ``fail_at``-th call of ``method`` raises torch's out-of-memory error."""
+
+    def __init__(self, method: str, fail_at: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail_at = fail_at
+        original = getattr(self, method)
+
+        def failing(*args: object) -> object:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            return original(*args)
+
+        setattr(self, method, failing)
+
+
+@pytest.mark.parametrize("method", ["offload", "prefetch"])
+@pytest.mark.parametrize("actions", [["swap"], ["swap", "recompute", "retain"]])
+def test_out_of_memory_in_a_copy_aborts_the_step_and_the_next_one_is_exact(method: str, actions: List[str]) -> None:
+    """An allocation failure in the middle of a planned step (forward: an offload; backward: a
+    prefetch) aborts the step: hooks and host buffers are released, and the next steps train
+    bitwise equal to the plain model."""
+    model, x, y = make("inception")
+    ref = copy.deepcopy(model)
+    n = len(records(model, x))
+    backend = FailingBackend(method, fail_at=3)
+    planned = PlannedModule(model, cycle(n, actions), backend=backend)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        model.zero_grad(set_to_none=True)
+        loss_fn(planned(x), y).backward()
+    assert planned.last_stats.aborted
+    gc.collect()
+    planned.abort_interrupted()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    _assert_no_hooks(model)
+    for _ in range(2):
+        got = _grads_after_step(planned, model, x, y)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    planned.close()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    backend.close()
+
+
 def test_plan_mismatch_is_detected() -> None:
     model, x, _ = make("inception")
     recs = records(model, x)

@@ -49,6 +49,9 @@ How a step runs (docs/cost-model.md is the contract):
   tensor at pack time and checks it at unpack (verify.py).
 * An exception (or KeyboardInterrupt) in the forward, or in one of the executor's backward hooks,
   aborts the step: all hooks are gone, every host buffer is released, the next step starts clean.
+  A backward that fails elsewhere (PyTorch then keeps the rest of the graph alive) is aborted by
+  the next forward of any executor on the same model, or by ``close()``, which also aborts a
+  step whose backward never ran (that graph's backward then raises ``StepAbortedError``).
 
 The lean path (issue 6: the executor was host-bound, ~430-550 us per unit on this CPU)
 ------------------------------------------------------------------------------------------
@@ -149,6 +152,10 @@ PlanLike = Union[Mapping[str, Any], Sequence[str], Any]
 #: memory trace (torch.profiler with profile_memory) can be cut at replays. The profiler measures
 #: ``replay_transient_bytes`` with them.
 MARK_PREFIX = "tensorplace::"
+
+#: model -> its live executors: a forward of any of them aborts the interrupted steps of all
+#: (a failed step of an earlier ``run()`` on the same model must not keep its tensors alive)
+_EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Executor]]" = weakref.WeakKeyDictionary()
 _profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 
@@ -761,6 +768,7 @@ class _StepState:
         self.backward_running = False
         self._warned = False
         self.kept: Set[str] = set()  #: stage labels whose swap deadlines were kept
+        self.finished = False  #: a backward of this step ran to its end
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
 
@@ -826,6 +834,7 @@ class _StepState:
 
     def _backward_done(self) -> None:
         self.backward_running = False
+        self.finished = True
 
     def guarded(self, fn: Any) -> Any:
         """Wrap a backward-time callback so any exception aborts the step first."""
@@ -1337,6 +1346,7 @@ class Executor:
         self._backend = backend
         self.last_stats: Optional[StepStats] = None
         self._states: "weakref.WeakSet[_StepState]" = weakref.WeakSet()
+        _EXECUTORS.setdefault(model, weakref.WeakSet()).add(self)
         #: plans without recomputed units run the lean path after the first step
         self.lean = "recompute" not in self.actions
         self._table: Optional[_Table] = None
@@ -1466,19 +1476,28 @@ class Executor:
     def abort_interrupted(self) -> int:
         """Abort the steps whose backward started but never finished (an exception or
         KeyboardInterrupt raised in backward outside the executor's own hooks: PyTorch then keeps
-        the rest of the graph, and with it the executor's handles, alive). Runs at every forward;
+        the rest of the graph, and with it the executor's handles, alive), of this executor and
+        of every other executor on the same model (an earlier ``run()``). Runs at every forward;
         returns how many steps it aborted."""
         if torch._C._current_graph_task_id() != -1:
             return 0  # called from inside a backward: that backward is running, not interrupted
         n = 0
-        for st in list(self._states):
-            if st.backward_running and not st.dead:
-                st.abort()
-                n += 1
+        for ex in list(_EXECUTORS.get(self.model, ())):
+            for st in list(ex._states):
+                if st.backward_running and not st.dead:
+                    st.abort()
+                    n += 1
         return n
 
     def close(self) -> None:
-        """Remove the executor's hooks from the model; close the backend if this executor created it."""
+        """Abort this executor's unfinished steps (a forward whose backward has not run to its
+        end: its host buffers and held tensors are released, and a later backward of its graph
+        raises :class:`StepAbortedError`), remove the executor's hooks from the model, and close
+        the backend if this executor created it."""
+        if torch._C._current_graph_task_id() == -1:
+            for st in list(self._states):
+                if not st.dead and not st.finished:
+                    st.abort()
         self._uninstall()
         if self._own_backend and self._backend is not None:
             self._backend.close()
