@@ -317,11 +317,22 @@ def default_backend(device: torch.device) -> Any:
 # ------------------------------------------------------------------------------------------
 
 
+def byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes ``[first, end)`` of its storage that view ``t`` can read."""
+    item = t.element_size()
+    lo = t.storage_offset() * item
+    if t.numel() == 0:
+        return lo, lo
+    last = t.storage_offset() + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    return lo, (last + 1) * item
+
+
 class _Entry:
-    """One swapped storage version."""
+    """One swapped storage version (one copy; a storage is copied again for a view that reads
+    bytes none of the views sharing the copy read, see ``covers``)."""
 
     __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
-                 "ref", "version")
+                 "ref", "version", "spans")
 
     def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
         self.state = state
@@ -332,11 +343,18 @@ class _Entry:
         self.version = t._version
         self.nbytes = st.nbytes()
         self.device = t.device
+        #: the byte ranges of the storage that the views sharing this copy can read
+        self.spans: List[Tuple[int, int]] = [byte_span(t)]
         byte_view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         self.host: Any = state.backend.offload(byte_view)
         self.fetched: Optional[torch.Tensor] = None
         self.refs = 0
         self.prefetched = False
+
+    def covers(self, span: Tuple[int, int]) -> bool:
+        """Whether a view reading ``span`` can share this copy: it reads only bytes that a view
+        already packed with it reads."""
+        return any(lo <= span[0] and span[1] <= hi for lo, hi in self.spans)
 
     def prefetch(self) -> None:
         if self.host is not None and self.fetched is None and not self.prefetched:
@@ -1088,8 +1106,14 @@ class _PlanTracker(UnitTracker):
                 if st.verify else "")  # the message of a failed check only
         if act == "swap":
             entry = st.entries.get(val)
-            if entry is None or entry.host is None:
+            span = byte_span(tensor)
+            if entry is None or entry.host is None or not entry.covers(span):
+                # a view reading bytes no earlier view of this copy reads gets a copy of its own: some
+                # kernels write other parts of a storage without bumping its version (the chunked
+                # gates of a GRU cell), so the first copy may predate those bytes
+                earlier = entry.spans if entry is not None and entry.host is not None else []
                 entry = _Entry(st, owner, val, tensor)
+                entry.spans += earlier
                 st.entries[val] = entry
                 st.by_unit[owner].append(entry)
                 st.stats.swap_storages += 1

@@ -35,7 +35,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from .. import allocator
 from ..methods import bench as methods_bench
-from . import accuracy, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
+from . import accuracy, budgets, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
 from .common import Output, versions, where
 
 # One line per subcommand: its module's add_cli(subparsers).
@@ -46,6 +46,7 @@ COMMANDS: List[Callable[[Any], None]] = [
     plan.add_cli,
     maxbatch.add_cli,
     peers.add_cli,
+    budgets.add_cli,
     allocator.add_cli,
     methods_bench.add_cli,
     compare.add_cli,

@@ -276,6 +276,25 @@ register_model("tinygpt", "TinyGPT: 2 layers, width 32, 4 heads, vocabulary 64; 
 register_model("inception", "the package's TinyInception (two inception blocks); --image images", _inception)
 
 
+def _zoo_model(name: str) -> Builder:
+    def build(batch: int, image: int, seq: int, classes: int) -> Tuple[Any, Tuple[Any, ...], Callable[[Any], Any]]:
+        from .. import zoo
+
+        return zoo.build(name, batch=batch)
+
+    return build
+
+
+def _register_zoo() -> None:
+    from .. import zoo
+
+    for name, (what, _) in zoo.MODELS.items():
+        register_model(name, f"{what} (tensorplace.zoo; fixed size, --batch only)", _zoo_model(name))
+
+
+_register_zoo()
+
+
 def torchvision_names() -> List[str]:
     import torchvision
 
