@@ -23,7 +23,7 @@ use super::{bwd_stage, movable, stage_starts};
 use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{evaluate_segments, EvalOptions, Outcome, Scratch};
-use crate::peak::{lower_bound, smallest_known_budget};
+use crate::peak::{lower_bound, unplanned_peak};
 use crate::plan::{Plan, Predicted};
 use crate::profile::{Graph, Profile};
 use serde_json::json;
@@ -245,11 +245,17 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
     let g1 = graph_of(smallest, batch / smallest > 1)?;
     let (lb, _) = lower_bound(&g1);
     if budget < lb {
-        let (known, _) = smallest_known_budget(&g1, &EvalOptions::default());
-        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: known.max(lb) });
+        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest_budget(&g1, lb) });
     }
-    let windows: Vec<(u64, u64)> =
-        cands.iter().map(|&b| Ok((b, window_peak(&graph_of(b, batch / b > 1)?)))).collect::<Result<_>>()?;
+    // A window never needs more than the whole step: a sub-batch whose unplanned step fits is
+    // taken even where the window sum (every gradient, data counted whole) is above the budget.
+    let windows: Vec<(u64, u64)> = cands
+        .iter()
+        .map(|&b| {
+            let g = graph_of(b, batch / b > 1)?;
+            Ok((b, window_peak(&g).min(unplanned_peak(&g))))
+        })
+        .collect::<Result<_>>()?;
     let first_fit = windows.iter().position(|&(_, w)| w <= budget).unwrap_or(windows.len() - 1);
     let mut tried_sizes = Vec::new();
     for (idx, &(b, wpeak)) in windows.iter().enumerate().skip(first_fit) {
@@ -265,14 +271,14 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
         } else {
             later.clone()
         };
-        tried_sizes.push(json!({"sub_batch": b, "window_peak": wpeak, "fits": first.feasible && later.feasible}));
+        tried_sizes.push(json!({"sub_batch": b, "window_peak": wpeak, "budget_fits_window": wpeak <= budget, "fits": first.feasible && later.feasible}));
         if !(first.feasible && later.feasible) {
             continue;
         }
         let larger = if idx > 0 { Some(windows[idx - 1]) } else { None };
         let settings = json!({
             "batch_size": batch, "sub_batch": b, "accumulation_steps": k,
-            "window_fraction": WINDOW_FRACTION, "window_peak": wpeak,
+            "window_fraction": WINDOW_FRACTION, "window_peak": wpeak, "budget_fits_window": wpeak <= budget,
             "next_larger": larger.map(|(b2, w2)| json!({"sub_batch": b2, "window_peak": w2})),
             "candidates": cands, "tried": tried_sizes,
             "scaling": "activation, transient, held, lingering and input bytes and stage times x sub_batch / batch_size; \
@@ -286,8 +292,31 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
         plan.segment_starts = (0..gl.n).filter(|&u| gl.block_start[u]).collect();
         return Ok(plan);
     }
-    let (known, _) = smallest_known_budget(&g1, &EvalOptions::default());
-    Err(CoreError::NoFeasiblePlan { budget, smallest_known: known.max(lb), lower_bound: lb })
+    Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest_budget(&g1, lb), lower_bound: lb })
+}
+
+/// The smallest budget (to 0.001%) at which moDNN's schedule fits the smallest sub-batch, by
+/// bisection between the lower bound and that sub-batch's unplanned peak (where all-retain fits).
+fn smallest_budget(g1: &Graph, lb: u64) -> u64 {
+    let fits = |b: u64| {
+        let (a, l) = schedule(g1, b);
+        let opts = EvalOptions { prefetch_lookahead: l, sync_swap_out: false };
+        evaluate_segments(g1, &a, &g1.block_start, b, &opts, &mut Scratch::new(g1.n), false).feasible
+    };
+    let mut hi = unplanned_peak(g1).max(lb);
+    let mut lo = lb.saturating_sub(1);
+    if fits(lb) {
+        return lb;
+    }
+    while hi - lo > 1.max(hi / 100_000) {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
 }
 
 #[cfg(test)]
