@@ -245,7 +245,7 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
     let g1 = graph_of(smallest, batch / smallest > 1)?;
     let (lb, _) = lower_bound(&g1);
     if budget < lb {
-        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest_budget(&g1, lb) });
+        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest_budget(&g1, &graph_of(smallest, false)?, lb) });
     }
     // A window never needs more than the whole step: a sub-batch whose unplanned step fits is
     // taken even where the window sum (every gradient, data counted whole) is above the budget.
@@ -292,18 +292,21 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
         plan.segment_starts = (0..gl.n).filter(|&u| gl.block_start[u]).collect();
         return Ok(plan);
     }
-    Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest_budget(&g1, lb), lower_bound: lb })
+    Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest_budget(&g1, &graph_of(smallest, false)?, lb), lower_bound: lb })
 }
 
-/// The smallest budget (to 0.001%) at which moDNN's schedule fits the smallest sub-batch, by
-/// bisection between the lower bound and that sub-batch's unplanned peak (where all-retain fits).
-fn smallest_budget(g1: &Graph, lb: u64) -> u64 {
+/// The smallest budget (to 0.001%) at which moDNN's schedule fits the smallest sub-batch (its
+/// first and its later sub-batches), by bisection between the lower bound and that sub-batch's
+/// unplanned peak (where all-retain fits).
+fn smallest_budget(glater: &Graph, gfirst: &Graph, lb: u64) -> u64 {
     let fits = |b: u64| {
-        let (a, l) = schedule(g1, b);
+        let (a, l) = schedule(glater, b);
         let opts = EvalOptions { prefetch_lookahead: l, sync_swap_out: false };
-        evaluate_segments(g1, &a, &g1.block_start, b, &opts, &mut Scratch::new(g1.n), false).feasible
+        [glater, gfirst]
+            .iter()
+            .all(|g| evaluate_segments(g, &a, &g.block_start, b, &opts, &mut Scratch::new(g.n), false).feasible)
     };
-    let mut hi = unplanned_peak(g1).max(lb);
+    let mut hi = unplanned_peak(glater).max(unplanned_peak(gfirst)).max(lb);
     let mut lo = lb.saturating_sub(1);
     if fits(lb) {
         return lb;
@@ -317,18 +320,4 @@ fn smallest_budget(g1: &Graph, lb: u64) -> u64 {
         }
     }
     hi
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn candidates_follow_power_of_two_rounding() {
-        assert_eq!(candidates(32), vec![32, 16, 8, 4, 2, 1]);
-        assert_eq!(candidates(48), vec![48, 16, 8, 4, 2, 1]);
-        assert_eq!(candidates(256), vec![256, 128, 64, 32, 16, 8, 4, 2, 1]);
-        assert_eq!(candidates(192), vec![192, 64, 32, 16, 8, 4, 2, 1]);
-        assert_eq!(candidates(1), vec![1]);
-    }
 }
