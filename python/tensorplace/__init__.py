@@ -9,20 +9,25 @@ minimise step time under a budget, and train under that plan::
 
 The planner works on profiles too: ``tp.plan_profile(tp.examples.profile("vgg16"), "4GiB")``.
 ``tp.allocator`` simulates what an allocation sequence costs in reserved memory under PyTorch's
-CUDA caching allocator, and replays recorded allocator traces.
+CUDA caching allocator, and replays recorded allocator traces. ``tp.plan_jobs`` splits one
+budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches.
 """
 
 from . import allocator, examples
+from .accumulate import accumulate
 from .api import plan, run
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
+from .jobs import JobPlans, plan_jobs
 from .planning import Plan, evaluate, load_profile, lower_bound, plan_profile, save_profile, unplanned_peak
 
 __all__ = [
+    "accumulate",
     "allocator",
     "plan",
     "run",
     "BudgetError",
+    "JobPlans",
     "Plan",
     "PlannerError",
     "evaluate",
@@ -31,6 +36,7 @@ __all__ = [
     "load_profile",
     "lower_bound",
     "parse_budget",
+    "plan_jobs",
     "plan_profile",
     "save_profile",
     "unplanned_peak",

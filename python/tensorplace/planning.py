@@ -196,7 +196,9 @@ def plan_profile(
     method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), the fixed plans
     "retain", "swap-all", "recompute-all", the recipes "checkpoint-blocks" and "sqrt", the
     heuristics "capuchin", "superneurons", "vdnn",
-    "vdnn-sync" (synchronous offload) and "tensile", and the MILPs "milp" (swap and recompute),
+    "vdnn-sync" (synchronous offload), "tensile" and "modnn" (a sub-batch with gradient
+    accumulation: ``settings["sub_batch"]``, ``settings["accumulation_steps"]``, predictions
+    per full step; train it with ``tensorplace.accumulate``), and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
     seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
     smallest budget known to work in `args[1]`) when the budget cannot be met.

@@ -13,7 +13,7 @@ use crate::exhaustive;
 use crate::methods::{heuristic_plan, HEURISTICS};
 use serde_json::json;
 
-pub const METHODS: [&str; 12] = [
+pub const METHODS: [&str; 13] = [
     "pso",
     "exhaustive",
     "retain",
@@ -26,6 +26,7 @@ pub const METHODS: [&str; 12] = [
     "vdnn",
     "vdnn-sync",
     "tensile",
+    "modnn",
 ];
 
 #[derive(Debug, Clone, Default)]
@@ -47,6 +48,10 @@ pub fn make_plan(
     settings: &PlanSettings,
     on_iteration: impl FnMut(usize, &crate::evaluator::Score),
 ) -> Result<Plan> {
+    if method == "modnn" {
+        // moDNN checks its own lower bound (at its smallest sub-batch) and evaluates per sub-batch.
+        return crate::methods::modnn::make_plan(profile, budget);
+    }
     let g = profile.graph()?;
     let (lb, _) = lower_bound(&g);
     if budget < lb {

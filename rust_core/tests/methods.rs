@@ -89,3 +89,62 @@ fn synchronous_offload_only_adds_stalls() {
     assert!(sync.step_time > asyn.step_time);
     assert!((sync.step_time - (sync.compute_time + sync.swap_stall + sync.recompute)).abs() < 1e-9);
 }
+
+#[test]
+fn modnn_picks_the_largest_sub_batch_whose_windows_fit_and_its_plan_fits() {
+    use tensorplace_core::methods::modnn::{candidates, scale_profile, window_peak};
+    let p = bundled("resnet50");
+    let batch = p.batch_size.unwrap();
+    let g = p.graph().unwrap();
+    let (lb, _) = tensorplace_core::peak::lower_bound(&g);
+    let up = tensorplace_core::peak::unplanned_peak(&g);
+    for budget in [lb / 8, lb / 2, lb, (lb + up) / 2, up] {
+        let plan = match make_plan(&p, budget, "modnn", &PlanSettings::default(), |_, _| {}) {
+            Ok(plan) => plan,
+            Err(CoreError::NoFeasiblePlan { smallest_known, .. }) | Err(CoreError::BudgetBelowLowerBound { smallest_known, .. }) => {
+                assert!(smallest_known > budget, "refused {budget} but names {smallest_known}");
+                // ... and moDNN does meet the budget it names.
+                let plan = make_plan(&p, smallest_known, "modnn", &PlanSettings::default(), |_, _| {}).unwrap();
+                assert!(plan.predicted.peak_bytes <= smallest_known);
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let s = &plan.settings;
+        let (b, k) = (s["sub_batch"].as_u64().unwrap(), s["accumulation_steps"].as_u64().unwrap());
+        assert_eq!(b * k, batch);
+        assert!(plan.predicted.feasible && plan.predicted.peak_bytes <= budget);
+        assert!(plan.actions.iter().all(|&a| a != Action::Recompute), "moDNN only offloads");
+        // Every larger candidate's windows exceed the budget (so it was not chosen by the rule),
+        // and the chosen one's fit unless no candidate's did.
+        for c in candidates(batch).into_iter().filter(|&c| c > b) {
+            let gc = scale_profile(&p, batch, c, batch / c > 1).graph().unwrap();
+            let w = window_peak(&gc).min(tensorplace_core::peak::unplanned_peak(&gc));
+            let fits_schedule = s["tried"].as_array().unwrap().iter().any(|t| t["sub_batch"] == c);
+            assert!(w > budget || fits_schedule, "sub-batch {c} has windows within the budget");
+        }
+        // Per full step: the sum of the sub-batches' step times.
+        let sub = &s["sub_steps"];
+        let sum = sub["first"]["step_time"].as_f64().unwrap() + (k - 1) as f64 * sub["later"]["step_time"].as_f64().unwrap();
+        assert!((plan.predicted.step_time - sum).abs() <= 1e-9 * sum);
+        if budget >= up {
+            assert_eq!(k, 1, "the whole batch fits at its unplanned peak");
+        }
+    }
+}
+
+#[test]
+fn modnn_scaling_halves_activations_not_gradients() {
+    use tensorplace_core::methods::modnn::scale_profile;
+    let p = bundled("plain20");
+    let q = scale_profile(&p, 32, 16, true);
+    for (a, b) in p.units.iter().zip(&q.units) {
+        assert_eq!(b.act_bytes, (a.act_bytes + 1) / 2);
+        assert_eq!(b.grad_bytes, 0);
+        assert_eq!(b.bwd_transient_bytes, (a.bwd_transient_bytes + 1) / 2 + a.grad_bytes);
+        assert!((b.fwd_time - a.fwd_time / 2.0).abs() < 1e-15);
+    }
+    let grads: i64 = p.units.iter().map(|u| u.grad_bytes).sum();
+    assert_eq!(q.memory.parameters, p.memory.parameters);
+    assert_eq!(q.memory.workspace, p.memory.workspace + grads as u64);
+}

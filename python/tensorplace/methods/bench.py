@@ -75,6 +75,8 @@ def run_methods(
                     rec["gap"] = s.get("gap")
                     rec["fallback"] = s.get("fallback")
                     rec["status"] = s.get("status")
+                    if "accumulation_steps" in s:  # modnn: the sub-batch, times per full step
+                        rec["sub_batch"] = [s["sub_batch"], s["accumulation_steps"]]
                 except BudgetError as e:
                     rec["planning_time"] = time.perf_counter() - t
                     rec["error"] = str(e.args[0])
@@ -114,6 +116,8 @@ def markdown(records: Sequence[Dict[str, Any]], baseline: str = "milp") -> str:
                     cell += f", {r['evaluations']:,} evals"
                 if r.get("gap") is not None and m.startswith("milp"):
                     cell += f", gap {100 * r['gap']:.2f}%"
+                if r.get("sub_batch"):
+                    cell += f", sub-batch {r['sub_batch'][0]} x {r['sub_batch'][1]}"
                 if r.get("fallback"):
                     cell += f", fallback: {r['fallback']}"
                 cells.append(cell)
@@ -145,7 +149,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                    help="budgets: lower bound + fraction x (unplanned peak - lower bound)")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                   help="plan_profile methods, and pso+milp: PSO seeded with the MILP's plan (planning time is both)")
+                   help="plan_profile methods (modnn: a sub-batch x accumulation steps), and pso+milp: PSO seeded with the MILP's plan (planning time is both)")
     p.add_argument("--baseline", default="milp", help="the method the others are compared with (%%)")
     p.add_argument("--time-limit", type=float, default=30.0, help="MILP time limit, seconds")
     p.add_argument("--particles", type=int, default=500)

@@ -6,8 +6,11 @@
 //! - [`superneurons`]: swap convolutions, recompute pool / activation / norm layers.
 //! - [`vdnn`]: swap convolution inputs (`vdnn`, and `vdnn-sync` with synchronous offload).
 //! - [`tensile`]: peak analysis, greedy swaps of the tensors at the peak, MSPS recomputation.
+//! - [`modnn`]: sub-batch selection with gradient accumulation, offload on allocation failure,
+//!   EST prefetch timing (its own plan per full step: `planner::make_plan` hands it over).
 
 pub mod capuchin;
+pub mod modnn;
 pub mod superneurons;
 pub mod tensile;
 pub mod vdnn;
