@@ -103,3 +103,9 @@ def test_gradient_accumulation_matches_full_batch_training() -> None:
 
     with pytest.raises(tp.PlannerError, match="full batch"):
         tp.accumulate(planned, x[:8], lambda out, yb: F.cross_entropy(out, yb), plan, targets=y[:8])
+    # run()'s module takes the plan's sub-batches directly, and no other shape but the full batch
+    sub = plan.settings["sub_batch"]
+    planned(x[:sub]).sum().backward()
+    with pytest.raises(tp.PlannerError, match="re-plan"):
+        planned(x[: sub + 1])
+    planned.close()

@@ -1,9 +1,8 @@
 """Training a moDNN plan: one full batch as ``accumulation_steps`` sub-batches, gradients
 accumulated (docs/methods.md, "moDNN").
 
-``tensorplace.run(model, plan)`` checks that its inputs have the planned (full-batch) shape, so
-the sub-batches go through :func:`accumulate`, which checks the full batch against the plan and
-runs each sub-batch under the plan's unit actions::
+``tensorplace.run(model, plan)`` accepts the plan's sub-batches; :func:`accumulate` checks the
+full batch against the plan, splits it and runs each sub-batch under the plan's unit actions::
 
     plan = tp.plan(model, x, budget, loss_fn=lambda out: F.cross_entropy(out, y), method="modnn")
     planned = tp.run(model, plan)
@@ -76,25 +75,14 @@ def accumulate(
     chunks = _split(args, batch, sub, "inputs")
     tchunks = _split(tgts, batch, sub, "targets") if tgts else [()] * len(chunks)
 
-    # run()'s module checks its inputs against the full batch; check the full batch here, then
-    # run each sub-batch through the executor itself.
-    forward: Callable[..., Any] = planned
-    expected = getattr(planned, "_expected_inputs", None)
-    if expected is not None:
-        from .api import inputs_fingerprint
-
-        if inputs_fingerprint(args) != expected:
-            raise PlannerError(
-                "these inputs differ in shape from the full batch the plan was made for; give that batch "
-                "(accumulate() splits it) or re-plan with tensorplace.plan(model, inputs, budget, method=\"modnn\")"
-            )
-        from cuda_exec.executor import PlannedModule
-
-        forward = lambda *a: PlannedModule.forward(planned, *a)  # noqa: E731
+    # run()'s module takes the plan's sub-batches; the full batch is checked against the plan here
+    check = getattr(planned, "check_inputs", None)
+    if check is not None:
+        check(args)
     scale = 1.0 / steps if reduction == "mean" else 1.0
     total: Optional[torch.Tensor] = None
     for chunk, tchunk in zip(chunks, tchunks):
-        out = forward(*chunk)
+        out = planned(*chunk)
         loss = loss_fn(out, *tchunk) * scale
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()

@@ -110,6 +110,11 @@ class PlannedTraining(PlannedModule):
         super().__init__(model, data, **kwargs)
         self._expected_inputs: Optional[str] = None
         self._planned_shapes = data.get("input_shapes", "?")
+        settings = data.get("settings") or {}
+        #: a moDNN plan runs its batch as sub-batches of this many samples (tensorplace.accumulate)
+        self.sub_batch: Optional[int] = (
+            int(settings["sub_batch"]) if int(settings.get("accumulation_steps", 1)) > 1 and "sub_batch" in settings else None
+        )
         fp = plan.model_fingerprint
         if fp:
             parts = dict(p.split(":", 1) for p in fp.split(";") if ":" in p)
@@ -121,16 +126,23 @@ class PlannedTraining(PlannedModule):
             self._expected_inputs = parts.get("inputs")
         _warn_on_environment_change(model, data.get("profile") or {})
 
+    def check_inputs(self, args: Sequence[Any]) -> None:
+        """Raise unless ``args`` have the shapes the plan was made for (the full batch)."""
+        if self._expected_inputs is not None and inputs_fingerprint(args) != self._expected_inputs:
+            raise PlannerError(
+                f"inputs of shape {_describe_inputs(args)} differ from the planned {self._planned_shapes}: "
+                "activation sizes change with the input shape, so the plan no longer fits; re-plan with "
+                "tensorplace.plan(model, inputs_of_this_shape, budget), or keep the batch shape fixed "
+                "(drop_last=True in the DataLoader)"
+            )
+
+    def _is_sub_batch(self, args: Sequence[Any]) -> bool:
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        return self.sub_batch is not None and first is not None and first.shape[0] == self.sub_batch
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.model.training and torch.is_grad_enabled() and self._expected_inputs is not None:
-            got = inputs_fingerprint(args)
-            if got != self._expected_inputs:
-                raise PlannerError(
-                    f"inputs of shape {_describe_inputs(args)} differ from the planned {self._planned_shapes}: "
-                    "activation sizes change with the input shape, so the plan no longer fits; re-plan with "
-                    "tensorplace.plan(model, inputs_of_this_shape, budget), or keep the batch shape fixed "
-                    "(drop_last=True in the DataLoader)"
-                )
+        if self.model.training and torch.is_grad_enabled() and not self._is_sub_batch(args):
+            self.check_inputs(args)
         return super().forward(*args, **kwargs)
 
 
