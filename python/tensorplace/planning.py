@@ -196,7 +196,8 @@ def plan_profile(
     method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), the fixed plans
     "retain", "swap-all", "recompute-all", the recipes "checkpoint-blocks" and "sqrt", the
     heuristics "capuchin", "superneurons", "vdnn",
-    "vdnn-sync" (synchronous offload), "tensile" and "modnn" (a sub-batch with gradient
+    "vdnn-sync" (synchronous offload), "tensile", "delta" (DELTA's runtime policy, simulated
+    over the cost model's timeline) and "modnn" (a sub-batch with gradient
     accumulation: ``settings["sub_batch"]``, ``settings["accumulation_steps"]``, predictions
     per full step; train it with ``tensorplace.accumulate``), and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`

@@ -13,7 +13,7 @@ use crate::exhaustive;
 use crate::methods::{heuristic_plan, HEURISTICS};
 use serde_json::json;
 
-pub const METHODS: [&str; 13] = [
+pub const METHODS: [&str; 14] = [
     "pso",
     "exhaustive",
     "retain",
@@ -26,6 +26,7 @@ pub const METHODS: [&str; 13] = [
     "vdnn",
     "vdnn-sync",
     "tensile",
+    "delta",
     "modnn",
 ];
 

@@ -17,7 +17,7 @@ fn budget_at(p: &Profile, frac: f64) -> u64 {
     lb + ((up - lb) as f64 * frac) as u64
 }
 
-const HEURISTICS: [&str; 5] = ["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile"];
+const HEURISTICS: [&str; 6] = ["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta"];
 
 #[test]
 fn heuristic_plans_fit_or_are_refused() {

@@ -6,10 +6,13 @@
 //! - [`superneurons`]: swap convolutions, recompute pool / activation / norm layers.
 //! - [`vdnn`]: swap convolution inputs (`vdnn`, and `vdnn-sync` with synchronous offload).
 //! - [`tensile`]: peak analysis, greedy swaps of the tensors at the peak, MSPS recomputation.
+//! - [`delta`]: DELTA's runtime policy (release above 3/4 of the budget by size x staleness,
+//!   recompute when cheaper than the transfer), simulated over the cost model's timeline.
 //! - [`modnn`]: sub-batch selection with gradient accumulation, offload on allocation failure,
 //!   EST prefetch timing (its own plan per full step: `planner::make_plan` hands it over).
 
 pub mod capuchin;
+pub mod delta;
 pub mod modnn;
 pub mod superneurons;
 pub mod tensile;
@@ -21,7 +24,7 @@ use crate::evaluator::{score, EvalOptions, Outcome, Score, Scratch};
 use crate::profile::{Graph, Profile};
 
 /// The heuristic methods, by name.
-pub const HEURISTICS: [&str; 5] = ["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile"];
+pub const HEURISTICS: [&str; 6] = ["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta"];
 
 /// The plan of heuristic `method` (one of [`HEURISTICS`]), or None for another name.
 pub fn heuristic_plan(method: &str, profile: &Profile, g: &Graph, budget: u64, opts: &EvalOptions) -> Option<Vec<Action>> {
@@ -31,6 +34,7 @@ pub fn heuristic_plan(method: &str, profile: &Profile, g: &Graph, budget: u64, o
         "vdnn" => vdnn::plan(profile, g, budget, opts),
         "vdnn-sync" => vdnn::plan(profile, g, budget, &EvalOptions { sync_swap_out: true, ..*opts }),
         "tensile" => tensile::plan(g, budget, opts),
+        "delta" => delta::plan(g, budget, opts),
         _ => return None,
     })
 }
