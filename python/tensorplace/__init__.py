@@ -16,9 +16,19 @@ from . import allocator, examples
 from .api import plan, run
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
-from .planning import Plan, evaluate, load_profile, lower_bound, plan_profile, save_profile, unplanned_peak
+from .planning import (
+    Plan,
+    allocation_sequence,
+    evaluate,
+    load_profile,
+    lower_bound,
+    plan_profile,
+    save_profile,
+    unplanned_peak,
+)
 
 __all__ = [
+    "allocation_sequence",
     "allocator",
     "plan",
     "run",

@@ -11,7 +11,13 @@
 //! not in the sequence. It is the simulator's initial state, live bytes that fill the memory
 //! reserved at the start (nothing cached). So at every event, the constant memory plus the bytes
 //! of the live blocks is the evaluator's memory count, and the largest such sum is the
-//! evaluator's `peak_bytes`. The simulator counts a block's rounded size (512 bytes, and whole
+//! evaluator's `peak_bytes`.
+//!
+//! Blocks larger than the profile's largest unit output are allocated in pieces of that size
+//! ([`Recorder`]): the profile gives sums over tensors, not the tensors, and the largest output
+//! is the best guess of the largest tensor (docs/cost-model.md, "Reserved memory").
+//!
+//! The simulator counts a block's rounded size (512 bytes, and whole
 //! 2 MiB segment tails it does not split off), so its allocated peak can be a little higher
 //! where sizes are not multiples of 2 MiB.
 
@@ -109,12 +115,19 @@ impl MemoryEvents for NoEvents {
 
 /// Records the blocks as allocator events (all on stream 0, the compute stream: the executor
 /// allocates prefetch destinations there too). Ids are never reused.
+///
+/// A block larger than `max_tensor` is allocated as pieces of `max_tensor` bytes and a rest (and
+/// freed together): the cost model's blocks are sums over several tensors, and one block of the
+/// sum would never fit into the space several smaller freed tensors leave.
 #[derive(Debug, Default, Clone)]
 pub struct Recorder {
     pub events: Vec<AllocEvent>,
     /// Per event, the block it allocates or frees.
     pub what: Vec<What>,
-    live: HashMap<What, (u64, u64)>,
+    /// The largest allocation (0: no limit).
+    pub max_tensor: u64,
+    /// Per live block: its first id, its number of pieces, its bytes.
+    live: HashMap<What, (u64, u64, u64)>,
     next_id: u64,
     /// A block allocated while a block of the same name was live (a bug of the hooks).
     pub error: Option<String>,
@@ -123,7 +136,7 @@ pub struct Recorder {
 impl Recorder {
     /// Bytes of the live blocks.
     pub fn live_bytes(&self) -> u64 {
-        self.live.values().map(|&(_, b)| b).sum()
+        self.live.values().map(|&(_, _, b)| b).sum()
     }
 }
 
@@ -137,17 +150,24 @@ impl MemoryEvents for Recorder {
         if self.live.contains_key(&what) && self.error.is_none() {
             self.error = Some(format!("block {} allocated twice (event {})", what.label(), self.events.len()));
         }
-        let id = self.next_id;
-        self.next_id += 1;
-        self.live.insert(what, (id, bytes));
-        self.events.push(AllocEvent::Alloc { id, size: bytes, stream: 0 });
-        self.what.push(what);
+        let first = self.next_id;
+        let mut left = bytes;
+        while left > 0 {
+            let size = if self.max_tensor > 0 { left.min(self.max_tensor) } else { left };
+            self.events.push(AllocEvent::Alloc { id: self.next_id, size, stream: 0 });
+            self.what.push(what);
+            self.next_id += 1;
+            left -= size;
+        }
+        self.live.insert(what, (first, self.next_id - first, bytes));
     }
 
     fn free(&mut self, what: What) {
-        if let Some((id, _)) = self.live.remove(&what) {
-            self.events.push(AllocEvent::Free { id });
-            self.what.push(what);
+        if let Some((first, pieces, _)) = self.live.remove(&what) {
+            for id in first..first + pieces {
+                self.events.push(AllocEvent::Free { id });
+                self.what.push(what);
+            }
         }
     }
 
@@ -203,7 +223,7 @@ pub fn allocation_sequence(
     budget: u64,
     opts: &EvalOptions,
 ) -> Result<Sequence> {
-    let mut rec = Recorder::default();
+    let mut rec = Recorder { max_tensor: g.out.iter().copied().max().unwrap_or(0), ..Recorder::default() };
     let outcome = run_with_events(g, actions, starts, budget, opts, &mut Scratch::new(g.n), true, &mut rec);
     if let Some(e) = rec.error {
         return Err(crate::error::CoreError::InvalidPlan(format!("allocation sequence: {e}")));

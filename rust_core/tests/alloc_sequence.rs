@@ -100,6 +100,9 @@ fn the_sequence_follows_the_evaluators_memory_count_exactly() {
             }
             assert_eq!(seq.constant + live.values().sum::<u64>(), plain.end_bytes, "{name}");
             assert_eq!(seq.events.len(), seq.what.len());
+            // No allocation is larger than the largest unit output (blocks go in pieces).
+            let largest = g.out.iter().copied().max().unwrap();
+            assert!(seq.events.iter().all(|e| !matches!(*e, AllocEvent::Alloc { size, .. } if size > largest)));
         }
     }
 }
