@@ -118,7 +118,7 @@ def reserved_overhead_message(plan: Dict[str, Any], device_type: str) -> Optiona
     beyond its allocated peak, and how to turn on expandable segments. None off CUDA.
 
     The reserved peak is the plan's ``predicted["reserved_bytes"]``; a plan without one (made
-    before plan version 2) is simulated from the profile it carries, under its recorded
+    before the field was added) is simulated from the profile it carries, under its recorded
     allocator settings."""
     if device_type != "cuda":
         return None

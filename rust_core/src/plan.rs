@@ -5,15 +5,14 @@ use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::Outcome;
 use crate::profile::Profile;
-use crate::versioned::read_versioned_range;
+use crate::versioned::read_versioned;
 use serde::{Deserialize, Serialize};
 
 pub const PLAN_FORMAT: &str = "tensorplace.plan";
-/// Version 2 added `budget_kind`, `reserved_budget_bytes` and `predicted.reserved_bytes` /
-/// `predicted.alloc_conf`; version 1 plans (without them) still load.
-pub const PLAN_VERSION: u32 = 2;
-/// The oldest plan version this tensorplace reads.
-pub const PLAN_OLDEST_VERSION: u32 = 1;
+/// `budget_kind`, `reserved_budget_bytes` and `predicted.reserved_bytes` / `predicted.alloc_conf`
+/// were added without a new version: they are optional, and a reader that does not know them
+/// executes the plan the same (the executor refuses plans newer than version 1).
+pub const PLAN_VERSION: u32 = 1;
 
 /// What a budget limits: the bytes of live tensors (`allocated`, what the cost model counts), or
 /// the memory the caching allocator reserves from the device for them (`reserved`, simulated).
@@ -64,8 +63,8 @@ pub struct Predicted {
     pub feasible: bool,
     pub reason: Option<String>,
     /// The largest memory the CUDA caching allocator reserves for the plan's allocation sequence
-    /// (simulated under `alloc_conf`, docs/cost-model.md "Reserved memory"). Absent in version 1
-    /// plans, and where the allocator settings are not modelled.
+    /// (simulated under `alloc_conf`, docs/cost-model.md "Reserved memory"). Absent in plans made
+    /// before it was added, and where the allocator settings are not modelled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserved_bytes: Option<u64>,
     /// The `PYTORCH_CUDA_ALLOC_CONF` the reserved peak was simulated under ("" for the defaults).
@@ -164,8 +163,7 @@ impl Plan {
     }
 
     pub fn from_json(text: &str) -> Result<Plan> {
-        let plan: Plan =
-            read_versioned_range(text, "plan", PLAN_FORMAT, PLAN_OLDEST_VERSION, PLAN_VERSION, "re-plan the model")?;
+        let plan: Plan = read_versioned(text, "plan", PLAN_FORMAT, PLAN_VERSION, "re-plan the model")?;
         if plan.actions.len() != plan.units.len() {
             return Err(CoreError::InvalidPlan(format!(
                 "the plan has {} actions for {} units",
