@@ -70,7 +70,12 @@ pub fn make_plan_reserved(
             Err(CoreError::BudgetBelowLowerBound { .. }) | Err(CoreError::NoFeasiblePlan { .. }) => break,
             Err(e) => return Err(e),
         };
-        let r = plan.predicted.reserved_bytes.expect("finish simulates the reserved peak under a valid conf");
+        let Some(r) = plan.predicted.reserved_bytes else {
+            return Err(CoreError::InvalidSetting(format!(
+                "method {method:?} makes plans without a reserved-memory prediction; budget_kind \"reserved\" \
+                 works with the methods that plan the profile's own step (pso, exhaustive, the recipes and heuristics)"
+            )));
+        };
         tried.push((alloc_budget, r));
         if r <= budget {
             return Ok(mark(plan, budget, &conf_text, &tried, false));

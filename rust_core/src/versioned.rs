@@ -6,19 +6,6 @@ use serde::de::DeserializeOwned;
 /// Parse `text` as a `kind` file (e.g. "profile") of format `format`, version `version`.
 /// `remedy` says how to get a readable file (e.g. "re-profile the model").
 pub fn read_versioned<T: DeserializeOwned>(text: &str, kind: &str, format: &str, version: u32, remedy: &str) -> Result<T> {
-    read_versioned_range(text, kind, format, version, version, remedy)
-}
-
-/// As [`read_versioned`], accepting versions `oldest..=newest` (fields added since `oldest` must
-/// have defaults).
-pub fn read_versioned_range<T: DeserializeOwned>(
-    text: &str,
-    kind: &str,
-    format: &str,
-    oldest: u32,
-    newest: u32,
-    remedy: &str,
-) -> Result<T> {
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| CoreError::Format(format!("{kind} is not JSON: {e}")))?;
     let found = value.get("format").and_then(|v| v.as_str()).unwrap_or("");
@@ -28,9 +15,11 @@ pub fn read_versioned_range<T: DeserializeOwned>(
         )));
     }
     let v = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
-    if v < oldest as u64 || v > newest as u64 {
-        let reads = if oldest == newest { format!("version {newest}") } else { format!("versions {oldest} to {newest}") };
-        return Err(CoreError::Format(format!("{kind} version {v} is not supported (this tensorplace reads {reads}); {remedy}")));
+    if v != version as u64 {
+        return Err(CoreError::Format(format!(
+            "{kind} version {v} is not supported (this tensorplace reads version {version}); {remedy}"
+        )));
     }
-    serde_json::from_value(value).map_err(|e| CoreError::Format(format!("{kind} does not match format version {v}: {e}")))
+    serde_json::from_value(value)
+        .map_err(|e| CoreError::Format(format!("{kind} does not match format version {version}: {e}")))
 }
