@@ -46,6 +46,28 @@ fn evaluator(c: &mut Criterion) {
     group.finish();
 }
 
+/// The reserved peak of the same plans: the allocation sequence (a recorded evaluation) simulated
+/// under the default caching allocator, what one evaluation would cost a search on reserved bytes.
+fn reserved(c: &mut Criterion) {
+    let mut group = c.benchmark_group("reserved_peak");
+    for name in MODELS {
+        let g = load(name);
+        let plan = mixed(g.n);
+        let b = budget(&g);
+        let opts = EvalOptions::default();
+        let conf = tensorplace_core::allocator::AllocConf::default();
+        group.bench_with_input(BenchmarkId::new(name, g.n), &g, |bench, g| {
+            bench.iter(|| {
+                tensorplace_core::alloc_sequence::reserved_peak(black_box(g), black_box(&plan), &g.block_start, b, &opts, &conf)
+                    .unwrap()
+                    .1
+                    .max_reserved
+            })
+        });
+    }
+    group.finish();
+}
+
 fn full_search(c: &mut Criterion) {
     let mut group = c.benchmark_group("search_500x500");
     group.sample_size(10).measurement_time(Duration::from_secs(60)).warm_up_time(Duration::from_secs(1));
@@ -74,5 +96,5 @@ fn full_search(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, evaluator, full_search);
+criterion_group!(benches, evaluator, reserved, full_search);
 criterion_main!(benches);

@@ -135,3 +135,55 @@ def test_pso_finds_the_exhaustive_optimum_on_tiny_graphs(p, frac):
         return
     found = tp.plan_profile(p, budget, particles=200, iterations=30)
     assert found.predicted["step_time"] == pytest.approx(best.predicted["step_time"], rel=1e-12, abs=1e-12)
+
+
+MIB2 = 2 * 2**20
+
+
+def _in_2mib_units(p):
+    """Every byte count times 2 MiB: blocks the caching allocator splits to the byte."""
+    p = copy.deepcopy(p)
+    p["memory"] = {k: v * MIB2 for k, v in p["memory"].items()}
+    for u in p["units"]:
+        for k in ("act_bytes", "output_bytes", "held_input_bytes", "fwd_transient_bytes", "bwd_transient_bytes",
+                  "grad_bytes", "replay_transient_bytes", "lingering_bytes"):
+            if u.get(k) is not None:
+                u[k] *= MIB2
+        for k in ("held_from", "saved_from"):
+            if u.get(k):
+                u[k] = [[q, b * MIB2] for q, b in u[k]]
+    return p
+
+
+@common
+@given(profile_and_plan(), st.floats(0.2, 1.2), st.sampled_from(["", "expandable_segments:True"]))
+def test_the_allocation_sequence_simulates_to_the_evaluators_peak(pp, frac, conf):
+    """docs/cost-model.md, "Reserved memory": the constant memory is the simulator's initial live
+    bytes, and the constant plus the live blocks is the evaluator's memory count at every event."""
+    p, plan = pp
+    p = _in_2mib_units(p)
+    budget = max(1, int(tp.unplanned_peak(p) * frac))
+    seq = tp.allocation_sequence(p, plan, budget)
+    r = tp.evaluate(p, plan, budget)
+    assert seq["peak_bytes"] == r["peak_bytes"] and seq["end_bytes"] == r["end_bytes"]
+    c = seq["constant_bytes"]
+    assert c == sum(p["memory"].values())
+    # An independent walk of the events: requested bytes.
+    live, cur, peak = {}, c, c
+    for e in seq["events"]:
+        if e["op"] == "alloc":
+            assert e["id"] not in live and e["size"] > 0
+            live[e["id"]] = e["size"]
+            cur += e["size"]
+            peak = max(peak, cur)
+        else:
+            cur -= live.pop(e["id"])
+    assert peak == r["peak_bytes"]
+    assert cur == r["end_bytes"]
+    # Through the caching allocator: whole 2 MiB sizes are never rounded.
+    sim = tp.allocator.simulate(seq["events"], initial=(c, c), alloc_conf=conf)
+    assert sim["max_allocated"] == r["peak_bytes"]
+    assert sim["allocated"] == r["end_bytes"]
+    assert sim["max_reserved"] >= sim["max_allocated"]
+    both = tp.evaluate(p, plan, budget, reserved=True, alloc_conf=conf)
+    assert both["reserved_bytes"] == sim["max_reserved"] and both["peak_bytes"] == r["peak_bytes"]

@@ -19,10 +19,20 @@ from .api import plan, run
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
 from .jobs import JobPlans, plan_jobs
-from .planning import Plan, evaluate, load_profile, lower_bound, plan_profile, save_profile, unplanned_peak
+from .planning import (
+    Plan,
+    allocation_sequence,
+    evaluate,
+    load_profile,
+    lower_bound,
+    plan_profile,
+    save_profile,
+    unplanned_peak,
+)
 
 __all__ = [
     "accumulate",
+    "allocation_sequence",
     "allocator",
     "plan",
     "run",

@@ -19,6 +19,15 @@ def evaluate(
     budget: int,
     prefetch_lookahead: int = 2,
     segment_starts: Optional[List[int]] = None,
+    reserved: bool = False,
+    alloc_conf: Optional[str] = None,
+) -> str: ...
+def allocation_sequence(
+    profile_json: str,
+    actions: List[str],
+    budget: int,
+    prefetch_lookahead: int = 2,
+    segment_starts: Optional[List[int]] = None,
 ) -> str: ...
 def lower_bound(profile_json: str) -> Tuple[int, str]: ...
 def unplanned_peak(profile_json: str) -> int: ...
@@ -37,6 +46,9 @@ def make_plan(
     prefetch_lookahead: int = 2,
     seed_heuristics: bool = True,
     seed_plans: Optional[List[List[str]]] = None,
+    budget_kind: str = "allocated",
+    alloc_conf: Optional[str] = None,
+    reserved_rounds: int = 4,
 ) -> str: ...
 def validate_plan(plan_json: str, profile_json: Optional[str] = None) -> str: ...
 def check_budget(profile_json: str, budget: int, prefetch_lookahead: int = 2) -> int: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -14,8 +14,8 @@ from cuda_exec.executor import PlannedModule
 from cuda_exec.units import discover_units
 
 from ._core import PlannerError
-from .budget import Budget
-from .planning import Plan, plan_profile
+from .budget import Budget, format_bytes
+from .planning import Plan, evaluate, plan_profile
 from .profiler import environment, environment_differences, profile_model
 
 
@@ -101,6 +101,74 @@ def _warn_on_environment_change(model: nn.Module, profile: dict) -> None:
         )
 
 
+class ReservedMemoryWarning(RuntimeWarning):
+    """``run()`` on CUDA: what the plan is predicted to reserve beyond its allocated bytes."""
+
+
+_reserved_warned: Set[Tuple[Any, ...]] = set()
+
+
+def _expandable(alloc_conf: str) -> bool:
+    items = dict(i.split(":", 1) for i in alloc_conf.replace(" ", "").split(",") if ":" in i)
+    return items.get("expandable_segments", "").lower() in ("true", "1")
+
+
+def reserved_overhead_message(plan: Dict[str, Any], device_type: str) -> Optional[str]:
+    """What ``run()`` says once on CUDA about a plan (a plan dict): its predicted reserved memory
+    beyond its allocated peak, and how to turn on expandable segments. None off CUDA.
+
+    The reserved peak is the plan's ``predicted["reserved_bytes"]``; a plan without one (made
+    before the field was added) is simulated from the profile it carries, under its recorded
+    allocator settings."""
+    if device_type != "cuda":
+        return None
+    predicted = plan.get("predicted") or {}
+    allocated = predicted.get("peak_bytes")
+    reserved = predicted.get("reserved_bytes")
+    alloc_conf = predicted.get("alloc_conf")
+    if reserved is None and plan.get("profile") and plan.get("actions"):
+        try:
+            r = evaluate(plan["profile"], plan["actions"], int(plan["budget_bytes"]),
+                         segment_starts=plan.get("segment_starts"), reserved=True)
+            reserved, alloc_conf, allocated = r["reserved_bytes"], r["alloc_conf"], r["peak_bytes"]
+        except PlannerError:  # allocator settings the simulator does not model
+            reserved = None
+    turn_on = (
+        "to reserve less, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment before CUDA "
+        "initialises (before the process's first CUDA call; later it has no effect), then profile and plan under "
+        "it; tensorplace.plan(..., budget_kind='reserved') plans against reserved memory"
+    )
+    if reserved is None or allocated is None:
+        return "tensorplace: this plan has no reserved-memory prediction (re-plan to get one); " + turn_on
+    overhead = int(reserved) - int(allocated)
+    pct = 100.0 * overhead / allocated if allocated else 0.0
+    head = (
+        f"tensorplace: this plan is predicted to reserve {format_bytes(int(reserved))} in the CUDA caching allocator, "
+        f"{format_bytes(overhead)} ({pct:.0f}%) above its allocated peak of {format_bytes(int(allocated))}"
+    )
+    if plan.get("budget_kind") == "reserved" and plan.get("reserved_budget_bytes") is not None:
+        head += f" (reserved budget {format_bytes(int(plan['reserved_budget_bytes']))})"
+    else:
+        head += f" (its budget, {format_bytes(int(plan['budget_bytes']))}, counts allocated bytes)"
+    if alloc_conf is not None and _expandable(alloc_conf):
+        return head + "; simulated with expandable segments, as the profile was measured"
+    return head + "; " + turn_on
+
+
+def _warn_reserved_overhead(model: nn.Module, plan: Dict[str, Any]) -> None:
+    p = next(model.parameters(), None)
+    device_type = p.device.type if p is not None else "cpu"
+    if device_type != "cuda":
+        return
+    key = (plan.get("profile_fingerprint"), plan.get("budget_bytes"), plan.get("method"), tuple(plan.get("actions", ())))
+    if key in _reserved_warned:
+        return
+    msg = reserved_overhead_message(plan, device_type)
+    if msg:
+        _reserved_warned.add(key)
+        warnings.warn(msg, ReservedMemoryWarning, stacklevel=4)
+
+
 class PlannedTraining(PlannedModule):
     """``run()``'s module: the executor plus the checks that the plan belongs to this model and
     this input shape."""
@@ -125,6 +193,7 @@ class PlannedTraining(PlannedModule):
                 )
             self._expected_inputs = parts.get("inputs")
         _warn_on_environment_change(model, data.get("profile") or {})
+        _warn_reserved_overhead(model, data)
 
     def check_inputs(self, args: Sequence[Any]) -> None:
         """Raise unless ``args`` have the shapes the plan was made for (the full batch)."""

@@ -12,6 +12,7 @@ from .budget import Budget, format_bytes, parse_budget
 ProfileLike = Union[Dict[str, Any], str, "os.PathLike[str]"]
 
 ACTIONS = ("retain", "swap", "recompute")
+BUDGET_KINDS = ("allocated", "reserved")
 MILP_METHODS = ("milp", "milp-swap", "milp-recompute")
 
 
@@ -84,6 +85,19 @@ class Plan:
         return int(self._data["budget_bytes"])
 
     @property
+    def budget_kind(self) -> str:
+        """What the user's budget limits: "allocated" (live tensors) or "reserved" (what the CUDA
+        caching allocator reserves, simulated; docs/cost-model.md "Reserved memory")."""
+        return str(self._data.get("budget_kind") or "allocated")
+
+    @property
+    def reserved_budget_bytes(self) -> Optional[int]:
+        """A reserved plan's budget (its ``budget_bytes`` is the allocated budget it was searched
+        under); None for an allocated plan."""
+        v = self._data.get("reserved_budget_bytes")
+        return None if v is None else int(v)
+
+    @property
     def method(self) -> str:
         return str(self._data["method"])
 
@@ -140,15 +154,17 @@ class Plan:
         """Raise if this plan was made for another profile."""
         _core.validate_plan(json.dumps(self._data), profile_json(profile))
 
-    def replan(self, budget: Budget, method: str = "pso", **search: Any) -> "Plan":
+    def replan(self, budget: Budget, method: str = "pso", budget_kind: Optional[str] = None, **search: Any) -> "Plan":
         """A plan for the same model and inputs under another budget or method, searched on the
-        profile this plan carries (plans from ``tensorplace.plan()`` do): no new profiling."""
+        profile this plan carries (plans from ``tensorplace.plan()`` do): no new profiling.
+        ``budget_kind``: default, this plan's."""
         data = self.to_dict()
         if "profile" not in data:
             raise _core.PlannerError(
                 "this plan carries no profile (it was made by plan_profile); call plan_profile(profile, budget) instead"
             )
-        new = plan_profile(data["profile"], budget, method, **search).to_dict()
+        kind = self.budget_kind if budget_kind is None else budget_kind
+        new = plan_profile(data["profile"], budget, method, budget_kind=kind, **search).to_dict()
         for key in ("model_fingerprint", "profile", "input_shapes", "unit_modules"):
             if key in data:
                 new[key] = data[key]
@@ -157,11 +173,15 @@ class Plan:
     def summary(self) -> str:
         p = self.predicted
         c = self.counts()
+        under = format_bytes(self.budget_bytes)
+        if self.reserved_budget_bytes is not None:
+            under = f"{format_bytes(self.reserved_budget_bytes)} reserved ({under} allocated)"
+        reserved = f", reserved {format_bytes(p['reserved_bytes'])}" if p.get("reserved_bytes") is not None else ""
         return (
-            f"{self.method} plan for {len(self.units)} units under {format_bytes(self.budget_bytes)}: "
+            f"{self.method} plan for {len(self.units)} units under {under}: "
             f"{c['retain']} retain, {c['swap']} swap, {c['recompute']} recompute; predicted step "
             f"{p['step_time'] * 1e3:.1f} ms (compute {p['compute_time'] * 1e3:.1f}, swap stall "
-            f"{p['swap_stall'] * 1e3:.1f}, recompute {p['recompute'] * 1e3:.1f}), peak {format_bytes(p['peak_bytes'])}"
+            f"{p['swap_stall'] * 1e3:.1f}, recompute {p['recompute'] * 1e3:.1f}), peak {format_bytes(p['peak_bytes'])}{reserved}"
         )
 
     def __repr__(self) -> str:
@@ -188,6 +208,9 @@ def plan_profile(
     mip_gap: float = 1e-4,
     seed_heuristics: bool = True,
     seed_plans: Optional[Sequence[Sequence[str]]] = None,
+    budget_kind: str = "allocated",
+    alloc_conf: Optional[str] = None,
+    reserved_rounds: int = 4,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
@@ -203,9 +226,25 @@ def plan_profile(
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
     seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
     smallest budget known to work in `args[1]`) when the budget cannot be met.
+
+    `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
+    reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
+    ``PYTORCH_CUDA_ALLOC_CONF`` string; default, the one recorded in the profile's environment).
+    The search runs on allocated bytes; while the best plan's reserved peak is over the budget,
+    the allocated budget is tightened by the overshoot and the search runs again, up to
+    `reserved_rounds` times. The plan's ``budget_bytes`` is then the allocated budget it was
+    searched under, ``reserved_budget_bytes`` the budget given, ``predicted["reserved_bytes"]``
+    its reserved peak.
     """
+    if budget_kind not in BUDGET_KINDS:
+        raise _core.PlannerError(f"budget_kind {budget_kind!r}: use one of {', '.join(BUDGET_KINDS)}")
     text = profile_json(profile)
     if method in MILP_METHODS:
+        if budget_kind != "allocated":
+            raise _core.PlannerError(
+                f"budget_kind='reserved' is not supported for the MILP method {method!r}; use method='pso' "
+                "(or plan the MILP on a smaller allocated budget and check predicted['reserved_bytes'])"
+            )
         from .methods.milp import milp_plan
 
         return Plan(
@@ -235,6 +274,9 @@ def plan_profile(
         prefetch_lookahead=prefetch_lookahead,
         seed_heuristics=seed_heuristics,
         seed_plans=[list(a) for a in seed_plans] if seed_plans else None,
+        budget_kind=budget_kind,
+        alloc_conf=alloc_conf,
+        reserved_rounds=reserved_rounds,
     )
     return Plan(json.loads(data))
 
@@ -245,14 +287,40 @@ def evaluate(
     budget: Budget,
     prefetch_lookahead: int = 2,
     segment_starts: Optional[Sequence[int]] = None,
+    *,
+    reserved: bool = False,
+    alloc_conf: Optional[str] = None,
 ) -> Dict[str, Any]:
     """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve.
 
     `segment_starts`: units before which a run of recomputed units is split into checkpoint
-    segments (default: the starts of the profile's repeated blocks; the result says which)."""
+    segments (default: the starts of the profile's repeated blocks; the result says which).
+    `reserved`: also simulate the plan's allocation sequence under PyTorch's CUDA caching
+    allocator, with `alloc_conf` (default: the profile's recorded ``PYTORCH_CUDA_ALLOC_CONF``):
+    adds ``reserved_bytes``, ``alloc_conf`` and the simulation's stats (``allocator``)."""
     starts = None if segment_starts is None else [int(u) for u in segment_starts]
     return json.loads(
-        _core.evaluate(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts)
+        _core.evaluate(
+            profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts, reserved, alloc_conf
+        )
+    )
+
+
+def allocation_sequence(
+    profile: ProfileLike,
+    actions: Sequence[str],
+    budget: Budget,
+    prefetch_lookahead: int = 2,
+    segment_starts: Optional[Sequence[int]] = None,
+) -> Dict[str, Any]:
+    """The device allocations and frees the cost model has `actions` make, in order
+    (docs/cost-model.md, "Reserved memory"): ``events`` as :func:`tensorplace.allocator.simulate`
+    reads them, ``what`` (per event, the block: ``"act:3"``, ``"bwd_work:5"``, ...),
+    ``constant_bytes`` (the constant memory, not in the events: simulate with ``initial=(c, c)``),
+    and the evaluation's ``peak_bytes`` and ``end_bytes``."""
+    starts = None if segment_starts is None else [int(u) for u in segment_starts]
+    return json.loads(
+        _core.allocation_sequence(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts)
     )
 
 

@@ -14,6 +14,8 @@ pub enum CoreError {
     BudgetBelowLowerBound { budget: u64, lower_bound: u64, smallest_known: u64 },
     /// The search found no plan within the budget.
     NoFeasiblePlan { budget: u64, smallest_known: u64, lower_bound: u64 },
+    /// No plan was found whose simulated reserved memory fits a reserved budget.
+    NoReservedPlan { budget: u64, smallest_known: u64, alloc_conf: String, rounds: usize },
     /// A search setting is out of range.
     InvalidSetting(String),
     /// An allocator trace or event sequence that cannot be replayed.
@@ -52,6 +54,16 @@ impl fmt::Display for CoreError {
                 "no plan found within the budget of {budget} bytes ({}); the smallest budget a known plan \
                  meets is {smallest_known} bytes ({}) (lower bound {lower_bound} bytes): raise the budget \
                  to at least {smallest_known} bytes, or search longer",
+                mib(*budget),
+                mib(*smallest_known)
+            ),
+            CoreError::NoReservedPlan { budget, smallest_known, alloc_conf, rounds } => write!(
+                f,
+                "no plan found whose reserved memory fits the reserved budget of {budget} bytes ({}) under \
+                 PYTORCH_CUDA_ALLOC_CONF={alloc_conf:?} ({rounds} searches, each on an allocated budget tightened by \
+                 the last plan's reserved overshoot); the smallest reserved budget a plan found meets is \
+                 {smallest_known} bytes ({}): give at least that, or turn on expandable segments \
+                 (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, and in the profile)",
                 mib(*budget),
                 mib(*smallest_known)
             ),

@@ -4,6 +4,7 @@
 //! this file is their only implementation.
 
 use crate::action::Action;
+use crate::alloc_sequence::{MemoryEvents, NoEvents, What};
 use crate::profile::Graph;
 use std::cmp::Ordering;
 
@@ -191,8 +192,10 @@ impl Scratch {
     }
 }
 
-struct Sim<'a> {
+struct Sim<'a, E: MemoryEvents> {
     g: &'a Graph,
+    /// Where memory changes are reported (`NoEvents` in the search: nothing).
+    ev: &'a mut E,
     actions: &'a [Action],
     budget: u64,
     lookahead: usize,
@@ -223,7 +226,7 @@ struct Sim<'a> {
     replays: Vec<(usize, usize, f64, f64)>,
 }
 
-impl<'a> Sim<'a> {
+impl<'a, E: MemoryEvents> Sim<'a, E> {
     /// Release swap-outs whose copy has completed by now.
     fn release_completed(&mut self) {
         while self.head < self.s.queue.len() {
@@ -259,6 +262,14 @@ impl<'a> Sim<'a> {
         let keep = if still { g.linger[u] } else { 0 };
         self.mem -= g.act[u] - keep;
         self.s.lingering[u] += keep;
+        if E::ENABLED {
+            self.ev.free(What::Act(u));
+            if keep > 0 {
+                self.ev.rename(What::ActLinger(u), What::Lingering(u));
+            } else {
+                self.ev.free(What::ActLinger(u));
+            }
+        }
     }
 
     /// Before something that needs `extra` bytes on top of `mem`: wait for queued swap-outs
@@ -321,12 +332,19 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Unit `u`'s activations, resident as a whole, are freed.
+    fn free_act(&mut self, u: usize) {
+        self.ev.free(What::Act(u));
+        self.ev.free(What::ActLinger(u));
+    }
+
     /// A recomputed unit's held inputs leave after its replay (or when it can no longer be
     /// replayed).
     fn release_held(&mut self, u: usize) {
         if self.s.held[u] {
             self.s.held[u] = false;
             self.mem -= self.s.held_bytes[u];
+            self.ev.free(What::Held(u));
         }
     }
 
@@ -370,6 +388,7 @@ impl<'a> Sim<'a> {
             self.copies.push(CopyEvent { unit: u, to_host: false, queue: q, start, end, bytes: self.g.act[u] });
         }
         self.mem += self.g.act[u];
+        self.ev.alloc(What::Act(u), self.g.act[u]);
         self.touch(self.mem);
         self.s.resident[u] = true;
         self.s.ready[u] = end;
@@ -431,6 +450,19 @@ impl<'a> Sim<'a> {
         // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
         // its transient and gradients).
         self.make_room(g.act[u] + g.replay_extra[u] + regenerated + kept + g.bwd_transient[i] + g.grad[i]);
+        if E::ENABLED {
+            // What the stage's backward has allocated, what the replay reads, its output, its
+            // scratch; all but the output leave after it.
+            self.ev.alloc(What::BwdWork(i), g.bwd_transient[i]);
+            self.ev.alloc(What::ReplayGrad(i), g.grad[i]);
+            self.ev.alloc(What::Kept(u), kept);
+            self.ev.alloc(What::Regenerated(u), regenerated);
+            self.ev.alloc(What::Act(u), g.act[u]);
+            self.ev.alloc(What::ReplayWork(u), g.replay_extra[u]);
+            for w in [What::ReplayWork(u), What::Regenerated(u), What::Kept(u), What::ReplayGrad(i), What::BwdWork(i)] {
+                self.ev.free(w);
+            }
+        }
         if self.record {
             self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
         }
@@ -447,6 +479,7 @@ impl<'a> Sim<'a> {
                 if lu > i && self.s.resident[p] && !self.s.in_queue[p] {
                     self.s.resident[p] = false;
                     self.mem -= g.act[p];
+                    self.free_act(p);
                 }
             }
         }
@@ -479,12 +512,29 @@ pub fn evaluate_segments(
     scratch: &mut Scratch,
     record: bool,
 ) -> Outcome {
+    run_with_events(g, actions, starts, budget, opts, scratch, record, &mut NoEvents)
+}
+
+/// [`evaluate_segments`], reporting every change of the memory count to `ev`
+/// (crate::alloc_sequence).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_with_events<E: MemoryEvents>(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    record: bool,
+    ev: &mut E,
+) -> Outcome {
     assert_eq!(actions.len(), g.n, "one action per unit");
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
     scratch.reset(n);
     let mut sim = Sim {
         g,
+        ev,
         actions,
         budget,
         lookahead: opts.prefetch_lookahead,
@@ -563,6 +613,22 @@ pub fn evaluate_segments(
             sim.s.held[i] = true;
         }
         sim.make_room(alloc + g.fwd_transient[i]);
+        if E::ENABLED {
+            if actions[i] == Action::Recompute {
+                sim.ev.alloc(What::Held(i), sim.s.held_bytes[i]);
+                sim.ev.alloc(What::HeldSaved(i), sim.s.held_saved[i]);
+            }
+            // A unit whose activations leave in the forward: the bytes the forward still
+            // references after its last reader are a block of their own.
+            let linger = if actions[i] == Action::Retain { 0 } else { g.linger[i] };
+            sim.ev.alloc(What::Act(i), g.act[i] - linger);
+            sim.ev.alloc(What::ActLinger(i), linger);
+            if !g.out_saved[i] {
+                sim.ev.alloc(What::Output(i), g.out[i]);
+            }
+            sim.ev.alloc(What::FwdWork(i), g.fwd_transient[i]);
+            sim.ev.free(What::FwdWork(i));
+        }
         sim.t += g.fwd_time[i];
         sim.mem += alloc;
         sim.s.resident[i] = true;
@@ -570,6 +636,7 @@ pub fn evaluate_segments(
         for &u in &g.releases_after_fwd[i] {
             if !g.out_saved[u] {
                 sim.mem -= g.out[u];
+                sim.ev.free(What::Output(u));
             }
             if actions[u] == Action::Recompute {
                 // Nothing of it stays (a unit without activations too): a replay of its run
@@ -595,6 +662,7 @@ pub fn evaluate_segments(
         }
         for &u in &g.linger_release_after_fwd[i] {
             sim.mem -= std::mem::take(&mut sim.s.lingering[u]);
+            sim.ev.free(What::Lingering(u));
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
@@ -644,6 +712,11 @@ pub fn evaluate_segments(
             sim.ensure(u, i);
         }
         sim.make_room(g.bwd_transient[i] + g.grad[i]);
+        if E::ENABLED {
+            sim.ev.alloc(What::BwdWork(i), g.bwd_transient[i]);
+            sim.ev.alloc(What::Grad(i), g.grad[i]);
+            sim.ev.free(What::BwdWork(i));
+        }
         sim.t += g.bwd_time[i];
         sim.mem += g.grad[i];
         for &u in &g.frees_after_bwd[i] {
@@ -653,11 +726,13 @@ pub fn evaluate_segments(
                     sim.s.in_queue[u] = false;
                 }
                 sim.mem -= g.act[u];
+                sim.free_act(u);
             }
         }
         if actions[i] == Action::Recompute {
             sim.release_held(i);
             sim.mem -= std::mem::take(&mut sim.s.held_saved[i]);
+            sim.ev.free(What::HeldSaved(i));
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);

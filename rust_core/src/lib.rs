@@ -9,10 +9,12 @@
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
+//! - [`alloc_sequence`]: the evaluator's allocation sequence; [`reserved`]: reserved-memory budgets.
 //! - [`allocator`]: reserved memory of an allocation sequence under PyTorch's caching allocator
 //!   or moDNN's offset pool; replay of recorded allocator traces.
 
 pub mod action;
+pub mod alloc_sequence;
 pub mod allocator;
 pub mod error;
 pub mod evaluator;
@@ -24,6 +26,7 @@ pub mod planner;
 pub mod profile;
 pub mod pso;
 pub mod recipes;
+pub mod reserved;
 pub mod versioned;
 
 #[cfg(feature = "python")]

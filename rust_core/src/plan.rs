@@ -9,7 +9,33 @@ use crate::versioned::read_versioned;
 use serde::{Deserialize, Serialize};
 
 pub const PLAN_FORMAT: &str = "tensorplace.plan";
+/// `budget_kind`, `reserved_budget_bytes` and `predicted.reserved_bytes` / `predicted.alloc_conf`
+/// were added without a new version: they are optional, and a reader that does not know them
+/// executes the plan the same (the executor refuses plans newer than version 1).
 pub const PLAN_VERSION: u32 = 1;
+
+/// What a budget limits: the bytes of live tensors (`allocated`, what the cost model counts), or
+/// the memory the caching allocator reserves from the device for them (`reserved`, simulated).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetKind {
+    #[default]
+    Allocated,
+    Reserved,
+}
+
+impl BudgetKind {
+    pub fn from_name(name: &str) -> Result<BudgetKind> {
+        match name {
+            "allocated" => Ok(BudgetKind::Allocated),
+            "reserved" => Ok(BudgetKind::Reserved),
+            other => Err(CoreError::InvalidSetting(format!(
+                "budget_kind {other:?}: use \"allocated\" (bytes of live tensors, the default) or \"reserved\" \
+                 (memory the CUDA caching allocator reserves, simulated)"
+            ))),
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prefetch {
@@ -36,6 +62,14 @@ pub struct Predicted {
     pub peak_stage: String,
     pub feasible: bool,
     pub reason: Option<String>,
+    /// The largest memory the CUDA caching allocator reserves for the plan's allocation sequence
+    /// (simulated under `alloc_conf`, docs/cost-model.md "Reserved memory"). Absent in plans made
+    /// before it was added, and where the allocator settings are not modelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_bytes: Option<u64>,
+    /// The `PYTORCH_CUDA_ALLOC_CONF` the reserved peak was simulated under ("" for the defaults).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alloc_conf: Option<String>,
 }
 
 impl Predicted {
@@ -51,6 +85,8 @@ impl Predicted {
             peak_stage: o.peak_stage.label(),
             feasible: o.feasible,
             reason: o.reason.clone(),
+            reserved_bytes: None,
+            alloc_conf: None,
         }
     }
 }
@@ -60,7 +96,15 @@ pub struct Plan {
     pub format: String,
     pub version: u32,
     pub profile_fingerprint: String,
+    /// The allocated-bytes budget the plan was searched and evaluated under (`predicted` holds
+    /// under it).
     pub budget_bytes: u64,
+    /// What the user's budget limits; with `reserved`, `reserved_budget_bytes` is that budget and
+    /// `budget_bytes` the allocated budget the search tightened it to. Absent: allocated.
+    #[serde(default)]
+    pub budget_kind: BudgetKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_budget_bytes: Option<u64>,
     pub method: String,
     #[serde(default)]
     pub settings: serde_json::Value,
@@ -95,6 +139,8 @@ impl Plan {
             version: PLAN_VERSION,
             profile_fingerprint: profile.fingerprint(),
             budget_bytes: budget,
+            budget_kind: BudgetKind::Allocated,
+            reserved_budget_bytes: None,
             method: method.into(),
             settings,
             units: profile.units.iter().map(|u| u.name.clone()).collect(),

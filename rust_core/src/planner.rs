@@ -34,6 +34,9 @@ pub const METHODS: [&str; 14] = [
 pub struct PlanSettings {
     pub eval: EvalOptions,
     pub pso: PsoSettings,
+    /// The `PYTORCH_CUDA_ALLOC_CONF` to simulate the plan's reserved memory under (None: the
+    /// profile's recorded one).
+    pub alloc_conf: Option<String>,
 }
 
 fn trace_json(t: &Trace) -> serde_json::Value {
@@ -90,7 +93,7 @@ pub fn make_plan(
             let eval = if h == "vdnn-sync" { EvalOptions { sync_swap_out: true, ..settings.eval } } else { settings.eval };
             let a = heuristic_plan(h, profile, &g, budget, &settings.eval).expect("a heuristic");
             let js = json!({"eval": {"prefetch_lookahead": eval.prefetch_lookahead, "sync_swap_out": eval.sync_swap_out}});
-            return finish(profile, &g, budget, method, js, a, &starts, None, &eval, lb);
+            return finish(profile, &g, budget, method, js, a, &starts, None, &eval, lb, settings.alloc_conf.as_deref());
         }
         "exhaustive" => {
             let (a, _) = exhaustive::search(&g, budget, &settings.eval)?;
@@ -126,7 +129,7 @@ pub fn make_plan(
             )))
         }
     };
-    finish(profile, &g, budget, method, method_settings, actions, &starts, convergence, &settings.eval, lb)
+    finish(profile, &g, budget, method, method_settings, actions, &starts, convergence, &settings.eval, lb, settings.alloc_conf.as_deref())
 }
 
 /// The budget check every method starts with: refuse a budget below the lower bound, naming the
@@ -161,7 +164,7 @@ pub fn plan_from_actions(
         )));
     }
     let starts = g.block_start.clone();
-    finish(profile, &g, budget, method, method_settings, actions, &starts, None, eval, lb)
+    finish(profile, &g, budget, method, method_settings, actions, &starts, None, eval, lb, None)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -176,6 +179,7 @@ fn finish(
     convergence: Option<serde_json::Value>,
     eval: &EvalOptions,
     lb: u64,
+    alloc_conf: Option<&str>,
 ) -> Result<Plan> {
     let outcome = evaluate_segments(g, &actions, starts, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
@@ -185,5 +189,11 @@ fn finish(
     let mut plan = Plan::new(profile, budget, method, method_settings, actions, &outcome);
     plan.segment_starts = (0..g.n).filter(|&u| starts[u]).collect();
     plan.convergence = convergence;
+    // The reserved peak, where the allocator settings are modelled (a settings error matters only
+    // to a reserved budget, which checks them first).
+    if let Ok((text, conf)) = crate::reserved::alloc_conf_for(profile, alloc_conf) {
+        plan.predicted.reserved_bytes = Some(crate::reserved::reserved_bytes(g, &plan.actions, starts, budget, eval, &conf)?);
+        plan.predicted.alloc_conf = Some(text);
+    }
     Ok(plan)
 }

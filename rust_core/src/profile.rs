@@ -188,6 +188,19 @@ impl Profile {
         serde_json::to_string_pretty(self).expect("profile serialises")
     }
 
+    /// The allocator settings the profile was measured under: `environment.variables`'
+    /// `PYTORCH_ALLOC_CONF` (torch's newer name, read first), else `PYTORCH_CUDA_ALLOC_CONF`;
+    /// "" (the defaults) when neither was recorded.
+    pub fn alloc_conf(&self) -> String {
+        let vars = self.environment.as_ref().and_then(|e| e.get("variables"));
+        for key in ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"] {
+            if let Some(v) = vars.and_then(|v| v.get(key)).and_then(|v| v.as_str()) {
+                return v.to_string();
+            }
+        }
+        String::new()
+    }
+
     /// SHA-256 over the structure (names, kinds, edges, sizes), not over times or bandwidths.
     pub fn fingerprint(&self) -> String {
         let mut h = Sha256::new();

@@ -5,7 +5,7 @@ use crate::allocator as alloc;
 use crate::error::CoreError;
 use crate::evaluator::{evaluate_segments, EvalOptions, Outcome, Scratch};
 use crate::peak;
-use crate::plan::Plan;
+use crate::plan::{BudgetKind, Plan};
 use crate::planner::{check_budget as run_check_budget, make_plan as run_make_plan, plan_from_actions as run_plan_from_actions, PlanSettings};
 use crate::profile::Profile;
 use crate::pso::PsoSettings;
@@ -21,6 +21,7 @@ fn to_py(e: CoreError) -> PyErr {
     match e {
         CoreError::BudgetBelowLowerBound { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
         CoreError::NoFeasiblePlan { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
+        CoreError::NoReservedPlan { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
         other => PlannerError::new_err(other.to_string()),
     }
 }
@@ -93,21 +94,9 @@ fn profile_fingerprint(profile_json: &str) -> PyResult<String> {
     Ok(parse_profile(profile_json)?.fingerprint())
 }
 
-/// Evaluate a plan: returns the outcome as JSON text.
-#[pyfunction]
-#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None))]
-fn evaluate(
-    profile_json: &str,
-    actions: Vec<String>,
-    budget: u64,
-    prefetch_lookahead: usize,
-    segment_starts: Option<Vec<usize>>,
-) -> PyResult<String> {
-    let p = parse_profile(profile_json)?;
-    let g = p.graph().map_err(to_py)?;
-    let a = parse_actions(actions, g.n)?;
-    let starts = match segment_starts {
-        None => g.block_start.clone(),
+fn parse_starts(g: &crate::profile::Graph, segment_starts: Option<Vec<usize>>) -> PyResult<Vec<bool>> {
+    match segment_starts {
+        None => Ok(g.block_start.clone()),
         Some(list) => {
             let mut starts = vec![false; g.n];
             for u in list {
@@ -119,13 +108,76 @@ fn evaluate(
                 }
                 starts[u] = true;
             }
-            starts
+            Ok(starts)
         }
+    }
+}
+
+/// Evaluate a plan: returns the outcome as JSON text. With `reserved`, also the plan's reserved
+/// peak (`reserved_bytes`) and the allocator simulation (`allocator`) under `alloc_conf` (None:
+/// the profile's recorded settings).
+#[pyfunction]
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None, reserved=false, alloc_conf=None))]
+#[allow(clippy::too_many_arguments)]
+fn evaluate(
+    py: Python<'_>,
+    profile_json: &str,
+    actions: Vec<String>,
+    budget: u64,
+    prefetch_lookahead: usize,
+    segment_starts: Option<Vec<usize>>,
+    reserved: bool,
+    alloc_conf: Option<String>,
+) -> PyResult<String> {
+    let p = parse_profile(profile_json)?;
+    let g = p.graph().map_err(to_py)?;
+    let a = parse_actions(actions, g.n)?;
+    let starts = parse_starts(&g, segment_starts)?;
+    let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
+    let mut js = if reserved {
+        let (text, conf) = crate::reserved::alloc_conf_for(&p, alloc_conf.as_deref()).map_err(to_py)?;
+        let (seq, stats) = py
+            .allow_threads(|| crate::alloc_sequence::reserved_peak(&g, &a, &starts, budget, &eval, &conf))
+            .map_err(to_py)?;
+        let mut js = outcome_json(&seq.outcome);
+        js["reserved_bytes"] = json!(stats.max_reserved);
+        js["alloc_conf"] = json!(text);
+        js["allocator"] = serde_json::to_value(&stats).expect("stats serialise");
+        js
+    } else {
+        outcome_json(&evaluate_segments(&g, &a, &starts, budget, &eval, &mut Scratch::new(g.n), true))
     };
-    let o = evaluate_segments(&g, &a, &starts, budget, &EvalOptions { prefetch_lookahead, ..Default::default() }, &mut Scratch::new(g.n), true);
-    let mut js = outcome_json(&o);
     js["segment_starts"] = json!((0..g.n).filter(|&u| starts[u]).collect::<Vec<_>>());
     Ok(js.to_string())
+}
+
+/// The allocation sequence of a plan (docs/cost-model.md, "Reserved memory"): JSON text with
+/// `constant_bytes` (the simulator's initial live bytes), `events` (allocator events as
+/// `allocator_simulate` reads them), `what` (per event, the block: "act:3", "bwd_work:5", ...)
+/// and the evaluation's `peak_bytes`.
+#[pyfunction]
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None))]
+fn allocation_sequence(
+    profile_json: &str,
+    actions: Vec<String>,
+    budget: u64,
+    prefetch_lookahead: usize,
+    segment_starts: Option<Vec<usize>>,
+) -> PyResult<String> {
+    let p = parse_profile(profile_json)?;
+    let g = p.graph().map_err(to_py)?;
+    let a = parse_actions(actions, g.n)?;
+    let starts = parse_starts(&g, segment_starts)?;
+    let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
+    let seq = crate::alloc_sequence::allocation_sequence(&g, &a, &starts, budget, &eval).map_err(to_py)?;
+    Ok(json!({
+        "constant_bytes": seq.constant,
+        "peak_bytes": seq.outcome.peak_bytes,
+        "end_bytes": seq.outcome.end_bytes,
+        "events": seq.events,
+        "what": seq.what.iter().map(|w| w.label()).collect::<Vec<_>>(),
+    })
+    .to_string())
 }
 
 /// (lower bound in bytes, stage label).
@@ -156,7 +208,7 @@ fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize) -> PyRes
 #[pyfunction]
 #[pyo3(signature = (profile_json, budget, method="pso", particles=500, iterations=500, seed=0, threads=0,
                     seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2, seed_heuristics=true,
-                    seed_plans=None))]
+                    seed_plans=None, budget_kind="allocated", alloc_conf=None, reserved_rounds=crate::reserved::DEFAULT_ROUNDS))]
 #[allow(clippy::too_many_arguments)]
 fn make_plan(
     py: Python<'_>,
@@ -173,7 +225,11 @@ fn make_plan(
     prefetch_lookahead: usize,
     seed_heuristics: bool,
     seed_plans: Option<Vec<Vec<String>>>,
+    budget_kind: &str,
+    alloc_conf: Option<String>,
+    reserved_rounds: usize,
 ) -> PyResult<String> {
+    let kind = BudgetKind::from_name(budget_kind).map_err(to_py)?;
     let p = parse_profile(profile_json)?;
     let seeds = seed_plans
         .unwrap_or_default()
@@ -195,9 +251,13 @@ fn make_plan(
             seed_heuristics,
             polish: true,
         },
+        alloc_conf,
     };
     let method = method.to_string();
-    let plan = py.allow_threads(move || run_make_plan(&p, budget, &method, &settings, |_, _| {}));
+    let plan = py.allow_threads(move || match kind {
+        BudgetKind::Allocated => run_make_plan(&p, budget, &method, &settings, |_, _| {}),
+        BudgetKind::Reserved => crate::reserved::make_plan_reserved(&p, budget, &method, &settings, reserved_rounds),
+    });
     Ok(plan.map_err(to_py)?.to_json())
 }
 
@@ -281,6 +341,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_profile, m)?)?;
     m.add_function(wrap_pyfunction!(profile_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(allocation_sequence, m)?)?;
     m.add_function(wrap_pyfunction!(lower_bound, m)?)?;
     m.add_function(wrap_pyfunction!(unplanned_peak, m)?)?;
     m.add_function(wrap_pyfunction!(smallest_known_budget, m)?)?;

@@ -41,7 +41,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     try:
         with common.progress(f"searching ({a.particles} particles x {a.iterations} iterations)"):
             p = plan_from_profile(prof, a.budget, a.method, iterations=a.iterations, particles=a.particles,
-                                  seed=a.seed, threads=a.threads)
+                                  seed=a.seed, threads=a.threads, budget_kind=a.budget_kind, alloc_conf=a.alloc_conf)
     except BudgetError as e:
         print(f"cannot plan {prof.get('model')} in {format_bytes(a.budget)}: {e.args[0]}")
         a.out["error"] = e.args[0]
@@ -61,5 +61,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--method", default="pso", help="pso (default), swap-all, recompute-all, retain, exhaustive")
     p.add_argument("-o", "--output", default="plan.json", metavar="PATH", help="where to write the plan (default plan.json)")
     p.add_argument("--threads", type=int, default=0, help="search threads (default 0: all cores; the plan is the same)")
+    p.add_argument("--budget-kind", choices=("allocated", "reserved"), default="allocated",
+                   help="what the budget limits: live tensors (default) or the CUDA caching allocator's reserved "
+                        "memory, simulated (docs/cost-model.md, Reserved memory)")
+    p.add_argument("--alloc-conf", default=None, metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF to simulate reserved memory under (default: the profile's)")
     common.search_args(p)
     p.set_defaults(fn=cmd_plan)

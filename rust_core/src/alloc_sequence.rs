@@ -1,0 +1,248 @@
+//! The evaluator's allocation sequence: the device blocks the cost model allocates and frees, in
+//! the order it has them happen, as [`AllocEvent`]s for the allocator simulation
+//! ([`crate::allocator::simulate`]), and the reserved peak of a plan that follows from them
+//! (docs/cost-model.md, "Reserved memory").
+//!
+//! The evaluator reports every change of its memory count to a [`MemoryEvents`] sink. The search
+//! passes [`NoEvents`], whose methods are empty and whose `ENABLED` is false, so the hooks compile
+//! away; [`Recorder`] turns them into blocks.
+//!
+//! Convention: the profile's constant memory (parameters, optimizer state, inputs, workspace) is
+//! not in the sequence. It is the simulator's initial state, live bytes that fill the memory
+//! reserved at the start (nothing cached). So at every event, the constant memory plus the bytes
+//! of the live blocks is the evaluator's memory count, and the largest such sum is the
+//! evaluator's `peak_bytes`.
+//!
+//! Blocks larger than the profile's largest unit output are allocated in pieces of that size
+//! ([`Recorder`]): the profile gives sums over tensors, not the tensors, and the largest output
+//! is the best guess of the largest tensor (docs/cost-model.md, "Reserved memory").
+//!
+//! The simulator counts a block's rounded size (512 bytes, and whole
+//! 2 MiB segment tails it does not split off), so its allocated peak can be a little higher
+//! where sizes are not multiples of 2 MiB.
+
+use crate::action::Action;
+use crate::allocator::{simulate, AllocConf, AllocEvent, AllocStats, Initial};
+use crate::error::Result;
+use crate::evaluator::{run_with_events, EvalOptions, Outcome, Scratch};
+use crate::profile::Graph;
+use serde::Serialize;
+use std::collections::HashMap;
+
+/// What a device block of the cost model holds. Unit indices name the unit (or, for stage
+/// blocks, the stage's unit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(tag = "kind", content = "unit", rename_all = "snake_case")]
+pub enum What {
+    /// A unit's activations (its saved tensors), from its forward, prefetch or replay.
+    Act(usize),
+    /// The part of a dropped or swapped unit's activations that the forward's code still
+    /// references after the unit's last forward reader (`lingering_bytes`), while it is still
+    /// part of the activations.
+    ActLinger(usize),
+    /// The same bytes after the rest of the activations left: freed at `lingering_until`.
+    Lingering(usize),
+    /// An unsaved output, from the unit's forward to its last forward reader.
+    Output(usize),
+    /// What a recomputed unit holds for its replay (its unsaved inputs), from its forward to the
+    /// replay.
+    Held(usize),
+    /// Saved values of another segment's recomputed units that a recomputed unit holds, from its
+    /// forward to its backward.
+    HeldSaved(usize),
+    /// Parameter gradients of a unit's backward, kept to the end of the step.
+    Grad(usize),
+    /// Transient: the scratch memory of a forward stage (`fwd_transient_bytes`).
+    FwdWork(usize),
+    /// Transient: a replay's memory beyond its activations (`replay_transient_bytes`).
+    ReplayWork(usize),
+    /// Transient: unsaved values of earlier units of the segment a replay regenerates.
+    Regenerated(usize),
+    /// Transient: activations of retained or replayed inputs already let go that a replay reads.
+    Kept(usize),
+    /// Transient: a backward stage's memory (`bwd_transient_bytes`): incoming gradient, the
+    /// gradients for its inputs, scratch. Also under a replay inside the stage.
+    BwdWork(usize),
+    /// Transient: the stage's parameter gradients charged under a replay inside the stage.
+    ReplayGrad(usize),
+}
+
+impl What {
+    pub fn label(&self) -> String {
+        let (k, u) = match *self {
+            What::Act(u) => ("act", u),
+            What::ActLinger(u) => ("act_linger", u),
+            What::Lingering(u) => ("lingering", u),
+            What::Output(u) => ("output", u),
+            What::Held(u) => ("held", u),
+            What::HeldSaved(u) => ("held_saved", u),
+            What::Grad(u) => ("grad", u),
+            What::FwdWork(u) => ("fwd_work", u),
+            What::ReplayWork(u) => ("replay_work", u),
+            What::Regenerated(u) => ("regenerated", u),
+            What::Kept(u) => ("kept", u),
+            What::BwdWork(u) => ("bwd_work", u),
+            What::ReplayGrad(u) => ("replay_grad", u),
+        };
+        format!("{k}:{u}")
+    }
+}
+
+/// Where the evaluator reports its memory changes.
+pub trait MemoryEvents {
+    /// False for the no-op sink: the evaluator skips the work of reporting.
+    const ENABLED: bool;
+    /// `bytes` are allocated as block `what` (nothing for 0 bytes).
+    fn alloc(&mut self, what: What, bytes: u64);
+    /// Block `what` is freed (nothing when it is not live).
+    fn free(&mut self, what: What);
+    /// Block `from`, still live, is known as `to` from now on (nothing when it is not live).
+    fn rename(&mut self, from: What, to: What);
+}
+
+/// The search's sink: reports nothing.
+pub struct NoEvents;
+
+impl MemoryEvents for NoEvents {
+    const ENABLED: bool = false;
+    #[inline(always)]
+    fn alloc(&mut self, _: What, _: u64) {}
+    #[inline(always)]
+    fn free(&mut self, _: What) {}
+    #[inline(always)]
+    fn rename(&mut self, _: What, _: What) {}
+}
+
+/// Records the blocks as allocator events (all on stream 0, the compute stream: the executor
+/// allocates prefetch destinations there too). Ids are never reused.
+///
+/// A block larger than `max_tensor` is allocated as pieces of `max_tensor` bytes and a rest (and
+/// freed together): the cost model's blocks are sums over several tensors, and one block of the
+/// sum would never fit into the space several smaller freed tensors leave.
+#[derive(Debug, Default, Clone)]
+pub struct Recorder {
+    pub events: Vec<AllocEvent>,
+    /// Per event, the block it allocates or frees.
+    pub what: Vec<What>,
+    /// The largest allocation (0: no limit).
+    pub max_tensor: u64,
+    /// Per live block: its first id, its number of pieces, its bytes.
+    live: HashMap<What, (u64, u64, u64)>,
+    next_id: u64,
+    /// A block allocated while a block of the same name was live (a bug of the hooks).
+    pub error: Option<String>,
+}
+
+impl Recorder {
+    /// Bytes of the live blocks.
+    pub fn live_bytes(&self) -> u64 {
+        self.live.values().map(|&(_, _, b)| b).sum()
+    }
+}
+
+impl MemoryEvents for Recorder {
+    const ENABLED: bool = true;
+
+    fn alloc(&mut self, what: What, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        if self.live.contains_key(&what) && self.error.is_none() {
+            self.error = Some(format!("block {} allocated twice (event {})", what.label(), self.events.len()));
+        }
+        let first = self.next_id;
+        let mut left = bytes;
+        while left > 0 {
+            let size = if self.max_tensor > 0 { left.min(self.max_tensor) } else { left };
+            self.events.push(AllocEvent::Alloc { id: self.next_id, size, stream: 0 });
+            self.what.push(what);
+            self.next_id += 1;
+            left -= size;
+        }
+        self.live.insert(what, (first, self.next_id - first, bytes));
+    }
+
+    fn free(&mut self, what: What) {
+        if let Some((first, pieces, _)) = self.live.remove(&what) {
+            for id in first..first + pieces {
+                self.events.push(AllocEvent::Free { id });
+                self.what.push(what);
+            }
+        }
+    }
+
+    fn rename(&mut self, from: What, to: What) {
+        if let Some(block) = self.live.remove(&from) {
+            self.live.insert(to, block);
+        }
+    }
+}
+
+/// A plan's allocation sequence, with the evaluation it comes from.
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub outcome: Outcome,
+    /// The profile's constant memory: the simulator's initial live bytes.
+    pub constant: u64,
+    pub events: Vec<AllocEvent>,
+    pub what: Vec<What>,
+}
+
+impl Sequence {
+    /// The simulator's initial state under this module's convention.
+    pub fn initial(&self) -> Initial {
+        Initial { allocated: self.constant, reserved: self.constant, free_blocks: Vec::new() }
+    }
+
+    /// The largest sum of the constant memory and the live blocks' bytes (requested, not
+    /// rounded): the evaluator's `peak_bytes`.
+    pub fn requested_peak(&self) -> u64 {
+        let mut size: HashMap<u64, u64> = HashMap::new();
+        let (mut cur, mut peak) = (self.constant, self.constant);
+        for e in &self.events {
+            match *e {
+                AllocEvent::Alloc { id, size: b, .. } => {
+                    size.insert(id, b);
+                    cur += b;
+                    peak = peak.max(cur);
+                }
+                AllocEvent::Free { id } | AllocEvent::FreeRequested { id } => cur -= size.remove(&id).unwrap_or(0),
+                AllocEvent::FreeCompleted { .. } => {}
+            }
+        }
+        peak
+    }
+}
+
+/// Evaluate `actions` (as [`crate::evaluator::evaluate_segments`]) and record its allocation
+/// sequence. Errors only on an inconsistency of the evaluator's hooks.
+pub fn allocation_sequence(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    budget: u64,
+    opts: &EvalOptions,
+) -> Result<Sequence> {
+    let mut rec = Recorder { max_tensor: g.out.iter().copied().max().unwrap_or(0), ..Recorder::default() };
+    let outcome = run_with_events(g, actions, starts, budget, opts, &mut Scratch::new(g.n), true, &mut rec);
+    if let Some(e) = rec.error {
+        return Err(crate::error::CoreError::InvalidPlan(format!("allocation sequence: {e}")));
+    }
+    Ok(Sequence { outcome, constant: g.constant, events: rec.events, what: rec.what })
+}
+
+/// The reserved memory of a plan: its allocation sequence simulated under `conf` (the initial
+/// state of `conf` is replaced by the constant memory, see the module's convention).
+pub fn reserved_peak(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    budget: u64,
+    opts: &EvalOptions,
+    conf: &AllocConf,
+) -> Result<(Sequence, AllocStats)> {
+    let seq = allocation_sequence(g, actions, starts, budget, opts)?;
+    let conf = AllocConf { initial: seq.initial(), segment_addresses: Vec::new(), ..conf.clone() };
+    let stats = simulate(&seq.events, &conf)?;
+    Ok((seq, stats))
+}

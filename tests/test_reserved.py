@@ -1,0 +1,149 @@
+"""Reserved budgets (docs/cost-model.md, "Reserved memory"): plan_profile(budget_kind="reserved"),
+the plan fields (docs/formats.md), and what run() says on CUDA."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from types import SimpleNamespace
+from typing import Any, Dict
+
+import pytest
+import torch
+
+import tensorplace as tp
+from tensorplace import api
+
+SEARCH = dict(particles=24, iterations=10, threads=1)
+
+
+@pytest.fixture(scope="module")
+def resnet() -> Dict[str, Any]:
+    return tp.examples.profile("resnet50", batch_size=32)
+
+
+def _mid(p: Dict[str, Any]) -> int:
+    return (tp.lower_bound(p) + tp.unplanned_peak(p)) // 2
+
+
+def test_every_plan_predicts_its_reserved_memory(resnet):
+    plan = tp.plan_profile(resnet, _mid(resnet), **SEARCH)
+    d = plan.to_dict()
+    assert d["version"] == 1 and d["budget_kind"] == "allocated" and plan.reserved_budget_bytes is None
+    r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True)
+    assert plan.predicted["reserved_bytes"] == r["reserved_bytes"] >= r["peak_bytes"] == plan.predicted["peak_bytes"]
+    assert plan.predicted["alloc_conf"] == r["alloc_conf"] == ""
+    assert "reserved" in plan.summary()
+
+
+def test_a_reserved_budget_holds_in_simulated_reserved_memory(resnet, tmp_path):
+    budget = _mid(resnet)
+    allocated = tp.plan_profile(resnet, budget, **SEARCH)
+    assert allocated.predicted["reserved_bytes"] > budget  # so the reserved budget has work to do
+    try:
+        plan = tp.plan_profile(resnet, budget, budget_kind="reserved", **SEARCH)
+    except tp.BudgetError as e:
+        assert e.args[1] > budget and str(e.args[1]) in e.args[0]
+        return
+    assert plan.budget_kind == "reserved" and plan.reserved_budget_bytes == budget
+    assert plan.budget_bytes < budget and plan.predicted["peak_bytes"] <= plan.budget_bytes
+    r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True)
+    assert r["reserved_bytes"] == plan.predicted["reserved_bytes"] <= budget
+    rounds = plan.settings["reserved_search"]["rounds"]
+    assert rounds[-1]["reserved_bytes"] == r["reserved_bytes"] and rounds[0]["allocated_budget"] == budget
+    # Saved and loaded; replan keeps the kind unless told otherwise.
+    plan.save(tmp_path / "p.json")
+    back = tp.Plan.load(tmp_path / "p.json")
+    assert back == plan and back.budget_kind == "reserved"
+    data = plan.to_dict()
+    data["profile"] = resnet
+    again = tp.Plan(data).replan(budget, **SEARCH)
+    assert again.budget_kind == "reserved" and again.predicted["reserved_bytes"] <= budget
+    assert tp.Plan(data).replan(budget, budget_kind="allocated", **SEARCH).budget_kind == "allocated"
+
+
+def test_a_reserved_budget_no_plan_meets_names_the_smallest_found(resnet):
+    lb = tp.lower_bound(resnet)
+    with pytest.raises(tp.BudgetError) as e:
+        tp.plan_profile(resnet, lb, budget_kind="reserved", reserved_rounds=2, **SEARCH)
+    smallest = e.value.args[1]
+    assert smallest > lb
+    assert f"{smallest} bytes" in e.value.args[0] and "expandable_segments:True" in e.value.args[0]
+
+
+def test_the_allocator_settings_come_from_the_profile_or_the_caller(resnet):
+    p = json.loads(json.dumps(resnet))
+    p["environment"] = {"variables": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+    plan = tp.plan_profile(p, _mid(p), **SEARCH)
+    assert plan.predicted["alloc_conf"] == "expandable_segments:True"
+    fixed = tp.evaluate(p, plan.actions, plan.budget_bytes, reserved=True, alloc_conf="")
+    assert plan.predicted["reserved_bytes"] <= fixed["reserved_bytes"]
+    p["environment"]["variables"]["PYTORCH_CUDA_ALLOC_CONF"] = "no_such_option:1"
+    with pytest.raises(tp.PlannerError, match="pass alloc_conf"):
+        tp.plan_profile(p, _mid(p), budget_kind="reserved", **SEARCH)
+    assert "reserved_bytes" not in tp.plan_profile(p, _mid(p), **SEARCH).predicted  # allocated plans still work
+    with pytest.raises(tp.PlannerError, match="budget_kind"):
+        tp.plan_profile(resnet, _mid(resnet), budget_kind="device", **SEARCH)
+    with pytest.raises(tp.PlannerError, match="MILP"):
+        tp.plan_profile(resnet, _mid(resnet), "milp", budget_kind="reserved")
+
+
+def test_plans_without_the_reserved_fields_still_load(resnet):
+    d = tp.plan_profile(resnet, _mid(resnet), **SEARCH).to_dict()
+    for k in ("budget_kind", "reserved_budget_bytes"):
+        d.pop(k, None)
+    for k in ("reserved_bytes", "alloc_conf"):
+        d["predicted"].pop(k)
+    old = tp.Plan(d)
+    assert old.budget_kind == "allocated" and "reserved_bytes" not in old.predicted
+    assert tp.Plan(old.to_dict()) == old
+
+
+def _plan_dict(resnet: Dict[str, Any], **extra: Any) -> Dict[str, Any]:
+    d = tp.plan_profile(resnet, _mid(resnet), **SEARCH).to_dict()
+    d.update(extra)
+    return d
+
+
+def test_the_reserved_overhead_message(resnet):
+    d = _plan_dict(resnet)
+    assert api.reserved_overhead_message(d, "cpu") is None
+    msg = api.reserved_overhead_message(d, "cuda")
+    over = d["predicted"]["reserved_bytes"] - d["predicted"]["peak_bytes"]
+    assert tp.format_bytes(over) in msg and tp.format_bytes(d["predicted"]["reserved_bytes"]) in msg
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg and "before CUDA initialises" in msg
+    # Simulated with expandable segments already: nothing to turn on.
+    d2 = json.loads(json.dumps(d))
+    d2["predicted"]["alloc_conf"] = "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF=" not in api.reserved_overhead_message(d2, "cuda")
+    # An older plan (no reserved prediction) that carries its profile: simulated on the spot.
+    d3 = json.loads(json.dumps(d))
+    for k in ("reserved_bytes", "alloc_conf"):
+        d3["predicted"].pop(k)
+    d3["profile"] = resnet
+    assert api.reserved_overhead_message(d3, "cuda") == msg
+    d3.pop("profile")
+    assert "no reserved-memory prediction" in api.reserved_overhead_message(d3, "cuda")
+
+
+def test_run_warns_once_per_plan_on_cuda_only(resnet, monkeypatch):
+    monkeypatch.setattr(api, "_reserved_warned", set())
+    d = _plan_dict(resnet)
+    fake_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda", 0))]))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        api._warn_reserved_overhead(fake_cuda, d)
+        api._warn_reserved_overhead(fake_cuda, d)
+        api._warn_reserved_overhead(torch.nn.Linear(2, 2), d)
+    said = [x for x in w if issubclass(x.category, api.ReservedMemoryWarning)]
+    assert len(said) == 1 and "expandable_segments" in str(said[0].message)
+
+
+def test_run_on_cpu_says_nothing_about_reserved_memory():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    plan = tp.plan(model, x, "1GiB", loss_fn=lambda out: out.sum(), repeats=1, particles=4, iterations=2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tp.run(model, plan)
+    assert not [x for x in w if issubclass(x.category, api.ReservedMemoryWarning)]
