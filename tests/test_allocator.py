@@ -171,3 +171,8 @@ def test_bad_input_says_what_is_wrong(tmp_path: Path) -> None:
         allocator.simulate([("alloc", 1, 10)], alloc_conf="gpu_magic:1")
     with pytest.raises(AllocatorError, match=r"\('alloc', id, size"):
         allocator.simulate([("malloc", 1, 10)])
+
+
+def test_an_allocation_past_an_expandable_segments_address_space_is_an_error_not_a_crash() -> None:
+    with pytest.raises(AllocatorError, match="address space"):
+        allocator.simulate([("alloc", 1, 2**41), ("free", 1)], alloc_conf="expandable_segments:True")

@@ -48,8 +48,9 @@ def test_budgets_hold_on_every_zoo_model(name: str) -> None:
 @pytest.mark.parametrize("actions", [["retain", "swap", "retain"], ["swap", "swap", "swap"]])
 def test_swapping_a_gru_trains_exactly(actions: list) -> None:
     """A GRU cell writes the chunks of its gate tensor without bumping the storage's version, so a
-    copy made at the first chunk's pack predates the later chunks: each chunk needs its own copy
-    (found by `tensorplace-bench budgets`: the GRU's swap plans trained with wrong gradients)."""
+    copy made at the first chunk's pack would predate the later chunks: the copy is queued at the
+    end of the unit's segment (found by `tensorplace-bench budgets`: the GRU's swap plans trained
+    with wrong gradients, and a first fix with a copy per chunk went over the budget)."""
     from cuda_exec.executor import PlannedModule
 
     model, (x,), loss_fn = zoo.build("gru", batch=4)

@@ -317,22 +317,15 @@ def default_backend(device: torch.device) -> Any:
 # ------------------------------------------------------------------------------------------
 
 
-def byte_span(t: torch.Tensor) -> Tuple[int, int]:
-    """The bytes ``[first, end)`` of its storage that view ``t`` can read."""
-    item = t.element_size()
-    lo = t.storage_offset() * item
-    if t.numel() == 0:
-        return lo, lo
-    last = t.storage_offset() + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
-    return lo, (last + 1) * item
+#: ``_Entry.host`` before the entry's copy is queued
+_QUEUED_LATER: Any = object()
 
 
 class _Entry:
-    """One swapped storage version (one copy; a storage is copied again for a view that reads
-    bytes none of the views sharing the copy read, see ``covers``)."""
+    """One swapped storage version: one copy, queued at the end of the segment that saved it."""
 
     __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
-                 "ref", "version", "spans")
+                 "ref", "version", "source")
 
     def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
         self.state = state
@@ -343,20 +336,24 @@ class _Entry:
         self.version = t._version
         self.nbytes = st.nbytes()
         self.device = t.device
-        #: the byte ranges of the storage that the views sharing this copy can read
-        self.spans: List[Tuple[int, int]] = [byte_span(t)]
-        byte_view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
-        self.host: Any = state.backend.offload(byte_view)
+        #: the storage as bytes until the copy is queued at the end of the segment that saved it
+        #: (``queue_offload``): a kernel may still write other parts of the storage without
+        #: bumping its version (a GRU cell's chunked gates), so the copy waits for the segment's end
+        self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        self.host: Any = _QUEUED_LATER
+        state.unqueued.append(self)
         self.fetched: Optional[torch.Tensor] = None
         self.refs = 0
         self.prefetched = False
 
-    def covers(self, span: Tuple[int, int]) -> bool:
-        """Whether a view reading ``span`` can share this copy: it reads only bytes that a view
-        already packed with it reads."""
-        return any(lo <= span[0] and span[1] <= hi for lo, hi in self.spans)
+    def queue_offload(self) -> None:
+        """Queue the device-to-host copy (once)."""
+        if self.host is _QUEUED_LATER and self.source is not None:
+            source, self.source = self.source, None
+            self.host = self.state.backend.offload(source)
 
     def prefetch(self) -> None:
+        self.queue_offload()
         if self.host is not None and self.fetched is None and not self.prefetched:
             self.prefetched = True
             self.state.backend.prefetch(self.host)
@@ -364,6 +361,8 @@ class _Entry:
 
     def storage(self) -> torch.UntypedStorage:
         if self.fetched is None:
+            if self.host is _QUEUED_LATER and self.source is not None:
+                return self.source.untyped_storage()  # needed before its copy was queued: still here
             if self.host is None:
                 raise StepAbortedError("a swapped tensor of an aborted step was needed")
             if not self.prefetched:
@@ -383,6 +382,9 @@ class _Entry:
 
     def free(self) -> None:
         self.fetched = None
+        self.source = None
+        if self.host is _QUEUED_LATER:
+            self.host = None
         if self.host is not None:
             host, self.host = self.host, None
             self.state.backend.release(host)
@@ -786,6 +788,7 @@ class _StepState:
         self.backward_running = False
         self._warned = False
         self.kept: Set[str] = set()  #: stage labels whose swap deadlines were kept
+        self.unqueued: List["_Entry"] = []  #: swapped storages whose copy waits for a stage boundary
         self.finished = False  #: a backward of this step ran to its end
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
@@ -870,6 +873,10 @@ class _StepState:
         """At the start of a stage: free the device bytes of completed swap-outs, and wait for
         the swap-outs the plan says have left the device before this stage (the cost model's
         swap deadlines), so the executor's memory follows the model's."""
+        if self.unqueued:
+            entries, self.unqueued = self.unqueued, []
+            for e in entries:
+                e.queue_offload()
         poll = getattr(self.backend, "poll", None)
         if poll is not None:
             poll()
@@ -1106,14 +1113,8 @@ class _PlanTracker(UnitTracker):
                 if st.verify else "")  # the message of a failed check only
         if act == "swap":
             entry = st.entries.get(val)
-            span = byte_span(tensor)
-            if entry is None or entry.host is None or not entry.covers(span):
-                # a view reading bytes no earlier view of this copy reads gets a copy of its own: some
-                # kernels write other parts of a storage without bumping its version (the chunked
-                # gates of a GRU cell), so the first copy may predate those bytes
-                earlier = entry.spans if entry is not None and entry.host is not None else []
+            if entry is None or entry.host is None:
                 entry = _Entry(st, owner, val, tensor)
-                entry.spans += earlier
                 st.entries[val] = entry
                 st.by_unit[owner].append(entry)
                 st.stats.swap_storages += 1

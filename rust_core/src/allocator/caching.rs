@@ -582,7 +582,9 @@ impl Caching {
         while self.blocks[c].size < size {
             let remaining = size - self.blocks[c].size;
             let next = self.blocks[c].next;
-            debug_assert!(next != NIL && !self.blocks[next].mapped);
+            if next == NIL || self.blocks[next].mapped {
+                return None; // the segment's address space is used up: an out-of-memory, not a panic
+            }
             let want = remaining.min(self.blocks[next].size);
             // map_block merges c into the newly mapped pages
             c = self.map_block(next, want, force)?;
@@ -709,7 +711,9 @@ impl Caching {
         }
     }
 
-    fn malloc(&mut self, size_requested: u64, stream: u64) -> usize {
+    /// The block for an allocation, or None when even a forced allocation cannot be placed (an
+    /// expandable segment's address space is used up).
+    fn malloc(&mut self, size_requested: u64, stream: u64) -> Option<usize> {
         let size = round_size(size_requested, self.divisions);
         let small = size <= SMALL_SIZE;
         let block = match self.get_free_block(small, stream, size) {
@@ -726,10 +730,13 @@ impl Caching {
                         self.release_cached();
                         got = self.alloc_block(small, stream, size, false);
                     }
-                    got.unwrap_or_else(|| {
-                        self.ooms += 1;
-                        self.alloc_block(small, stream, size, true).expect("forced allocation")
-                    })
+                    match got {
+                        Some(b) => b,
+                        None => {
+                            self.ooms += 1;
+                            self.alloc_block(small, stream, size, true)?
+                        }
+                    }
                 }
             },
         };
@@ -740,7 +747,7 @@ impl Caching {
         b.active = true;
         b.requested = size_requested;
         self.allocated += b.size;
-        block
+        Some(block)
     }
 
     /// `free_block`: back to the cache, merged with free neighbours.
@@ -775,7 +782,9 @@ impl Simulator for Caching {
                 if self.live.contains_key(&id) || self.pending.contains_key(&id) {
                     return Err(event_error(index, event, "this id is already allocated; free it first or use another id"));
                 }
-                let b = self.malloc(size, stream);
+                let b = self.malloc(size, stream).ok_or_else(|| {
+                    event_error(index, event, "cannot be placed even past the device's capacity: the expandable segment's address space is used up; is the size right?")
+                })?;
                 self.live.insert(id, b);
             }
             AllocEvent::Free { id } | AllocEvent::FreeRequested { id } => {
