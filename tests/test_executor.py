@@ -773,6 +773,120 @@ def test_out_of_memory_in_a_copy_aborts_the_step_and_the_next_one_is_exact(metho
     backend.close()
 
 
+class FailingCopyBackend(CpuBackend):
+    """A CPU backend whose copy thread fails on its ``fail_at``-th copy (after copying)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.copies = 0
+        self.fail_at = fail_at
+
+    def _throttle(self, nbytes: int, started: float) -> None:
+        self.copies += 1
+        if self.copies == self.fail_at:
+            raise OSError("injected: the copy failed")
+        super()._throttle(nbytes, started)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_failed_copy_aborts_the_step_and_the_next_one_is_exact(direction: str) -> None:
+    model, x, y = make("inception")
+    ref = copy.deepcopy(model)
+    n = len(records(model, x))
+    probe = PlannedModule(copy.deepcopy(model), ["swap"] * n)
+    loss_fn(probe(x), y).backward()
+    swaps = probe.last_stats.swap_storages
+    probe.close()
+    backend = FailingCopyBackend(fail_at=2 if direction == "d2h" else swaps + 2)
+    planned = PlannedModule(model, ["swap"] * n, backend=backend)
+    with pytest.raises(RuntimeError, match="injected"):
+        loss_fn(planned(x), y).backward()
+    gc.collect()
+    planned.abort_interrupted()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    _assert_no_hooks(model)
+    for _ in range(2):
+        got = _grads_after_step(planned, model, x, y)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    planned.close()
+    backend.close()
+
+
+class ReplayFails(nn.Module):
+    """Raises when replayed (recomputed in backward), once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and is_replaying():
+            self.armed = False
+            raise RuntimeError("injected: the replay failed")
+        return torch.tanh(x)
+
+
+def test_an_exception_in_a_replay_aborts_the_step_and_the_next_one_is_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), ReplayFails(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    backend = CpuBackend()
+    planned = PlannedModule(model, ["swap", "recompute", "retain"], backend=backend)
+    model[1].armed = True
+    with pytest.raises(RuntimeError, match="injected"):
+        loss_fn(planned(x), y).backward()
+    gc.collect()
+    planned.abort_interrupted()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    _assert_no_hooks(model)
+    for _ in range(2):
+        got = _grads_after_step(planned, model, x, y)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    planned.close()
+    backend.close()
+
+
+class Drifting(nn.Module):
+    """Computes other bits every call, as a convolution does after cuDNN switched engines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(x) * (1 + 1e-3 * self.calls)
+
+
+def test_verify_names_the_cudnn_engine_change_when_a_replay_differs_after_an_oom(monkeypatch) -> None:
+    import cuda_exec.verify as verify
+
+    monkeypatch.setattr(verify, "_out_of_memory_seen", False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Drifting(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    actions = ["retain", "swap", "recompute", "retain"]
+
+    def step(backend: CpuBackend) -> None:
+        planned = PlannedModule(model, actions, backend=backend, verify=True)
+        try:
+            loss_fn(planned(x), y).backward()
+        finally:
+            planned.close()
+            backend.close()
+
+    with pytest.raises(VerificationError) as before:
+        step(CpuBackend())
+    assert "cuDNN" not in str(before.value)
+    with pytest.raises(torch.OutOfMemoryError):
+        step(FailingBackend("offload", fail_at=1))
+    with pytest.raises(VerificationError, match="cuDNN keeps another convolution engine"):
+        step(CpuBackend())
+
+
 def test_plan_mismatch_is_detected() -> None:
     model, x, _ = make("inception")
     recs = records(model, x)

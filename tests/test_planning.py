@@ -142,3 +142,18 @@ def test_replan_needs_a_profile(plain20):
     plan = tp.plan_profile(plain20, tp.unplanned_peak(plain20), method="retain")
     with pytest.raises(tp.PlannerError, match="carries no profile"):
         plan.replan("1GiB")
+
+
+def test_a_plan_says_which_memory_no_plan_can_move_and_where() -> None:
+    prof = tp.examples.profile("resnet50", batch_size=32)
+    budget = (tp.lower_bound(prof) + tp.unplanned_peak(prof)) // 2
+    for method in ("capuchin", "pso"):
+        plan = tp.plan_profile(prof, budget, method, particles=10, iterations=2) if method == "pso" else tp.plan_profile(prof, budget, method)
+        fixed = plan.fixed_memory
+        assert fixed["constant_bytes"] == sum(prof["memory"].values()) > 0
+        assert fixed["gradient_bytes"] == sum(u["grad_bytes"] for u in prof["units"])
+        assert fixed["lower_bound_bytes"] == tp.lower_bound(prof) <= plan.predicted["peak_bytes"]
+        assert fixed["lower_bound_unit"] in plan.units
+        assert "no plan peaks below" in plan.summary() and fixed["lower_bound_stage"] in plan.summary()
+    # it survives saving and loading
+    assert tp.Plan(plan.to_dict()).fixed_memory == fixed

@@ -32,7 +32,7 @@ class CpuHostHandle:
 
     __slots__ = (
         "nbytes", "buf", "source", "device_tensor", "offload_done", "prefetch_done",
-        "prefetch_issued", "cancelled", "released", "pending", "__weakref__",
+        "prefetch_issued", "cancelled", "released", "pending", "error", "__weakref__",
     )
 
     def __init__(self, nbytes: int, buf: np.ndarray, source: torch.Tensor) -> None:
@@ -47,6 +47,7 @@ class CpuHostHandle:
         self.cancelled = False  #: offload not needed any more (the device bytes were used as they are)
         self.released = False
         self.pending = 0  #: queued copies not yet finished
+        self.error: Optional[BaseException] = None  #: why a copy of this handle failed
 
 
 @dataclass
@@ -145,7 +146,9 @@ class CpuBackend:
 
     def poll(self) -> int:
         """Free the device bytes of every offload whose copy has completed (never blocks); call it
-        at stage boundaries. Returns how many were freed."""
+        at stage boundaries. Returns how many were freed. Raises (once) if a copy failed."""
+        if self._error is not None:
+            self._check()
         with self._lock:
             done, self._done = self._done, []
         for h in done:
@@ -207,6 +210,10 @@ class CpuBackend:
             while not h.prefetch_done.wait(0.1):
                 self._check()
             self._fetch_wait += time.perf_counter() - t0
+        if h.error is not None:
+            if self._error is h.error:
+                self._error = None  # surfaced here
+            raise RuntimeError(f"the copy back of this tensor failed ({type(h.error).__name__}: {h.error})") from h.error
         self._check()
         out = h.device_tensor
         if out is None:  # pragma: no cover - defensive
@@ -304,7 +311,10 @@ class CpuBackend:
         if self._closed:
             raise RuntimeError("CpuBackend is closed")
         if self._error is not None:
-            raise RuntimeError("the copy thread failed") from self._error
+            # raised once (the step that sees it aborts); the handle whose copy failed keeps its
+            # error, so its bytes are never handed out
+            err, self._error = self._error, None
+            raise RuntimeError(f"the copy thread failed ({type(err).__name__}: {err})") from err
 
     def _throttle(self, nbytes: int, started: float) -> None:
         if self.bandwidth_cap:
@@ -339,7 +349,8 @@ class CpuBackend:
                         np.copyto(dt.numpy(), h.buf)
                         self._throttle(h.nbytes, t0)
                     h.prefetch_done.set()
-            except BaseException as e:  # pragma: no cover - surfaced by _check()
+            except BaseException as e:  # surfaced by _check() and by this handle's fetch
+                h.error = e
                 self._error = e
                 h.offload_done.set()
                 h.prefetch_done.set()

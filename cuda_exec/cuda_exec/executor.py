@@ -97,6 +97,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -122,7 +123,7 @@ from .units import (
     model_input_position,
     replaying,
 )
-from .verify import check, checksum, verify_from_env
+from .verify import check, checksum, note_out_of_memory, verify_from_env
 
 __all__ = [
     "ACTIONS",
@@ -749,7 +750,7 @@ class _ReplayHandle(_Handle):
             if base is None:
                 raise ReplayError(f"unit {self.rt.unit}: a saved value was not regenerated")
             t = self.meta.view_of(base.untyped_storage(), self.device)
-        check(t, self.digest, self.what)
+        check(t, self.digest, self.what, replayed=True)
         return t
 
     def __del__(self) -> None:
@@ -823,6 +824,8 @@ class _StepState:
             return
         self.dead = True
         self.stats.aborted = True
+        if isinstance(sys.exc_info()[1], torch.OutOfMemoryError):
+            note_out_of_memory()  # verify mode then names the likely cause of a replay that differs
         self.on_abort()
         for e in list(self.entries.values()):
             e.free()

@@ -170,6 +170,12 @@ class Plan:
                 new[key] = data[key]
         return Plan(new)
 
+    @property
+    def fixed_memory(self) -> Optional[Dict[str, Any]]:
+        """The memory no plan can move, and where it is (:func:`fixed_memory`); None for plans
+        saved before it was recorded."""
+        return self._data.get("fixed_memory")
+
     def summary(self) -> str:
         p = self.predicted
         c = self.counts()
@@ -182,6 +188,7 @@ class Plan:
             f"{c['retain']} retain, {c['swap']} swap, {c['recompute']} recompute; predicted step "
             f"{p['step_time'] * 1e3:.1f} ms (compute {p['compute_time'] * 1e3:.1f}, swap stall "
             f"{p['swap_stall'] * 1e3:.1f}, recompute {p['recompute'] * 1e3:.1f}), peak {format_bytes(p['peak_bytes'])}{reserved}"
+            + _fixed_text(self.fixed_memory)
         )
 
     def __repr__(self) -> str:
@@ -189,6 +196,17 @@ class Plan:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self._data == other._data
+
+
+def _fixed_text(fixed: Optional[Dict[str, Any]]) -> str:
+    if not fixed:
+        return ""
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in fixed["constant"].items() if v)
+    where = fixed["lower_bound_stage"] + (f" ({fixed['lower_bound_unit']})" if fixed.get("lower_bound_unit") else "")
+    return (
+        f"; fixed: {format_bytes(fixed['constant_bytes'])} constant ({parts or 'none'}), gradients "
+        f"{format_bytes(fixed['gradient_bytes'])}; no plan peaks below {format_bytes(fixed['lower_bound_bytes'])} (at {where})"
+    )
 
 
 def plan_profile(
@@ -247,7 +265,7 @@ def plan_profile(
             )
         from .methods.milp import milp_plan
 
-        return Plan(
+        return _with_fixed_memory(
             json.loads(
                 milp_plan(
                     text,
@@ -258,7 +276,8 @@ def plan_profile(
                     threads=threads,
                     prefetch_lookahead=prefetch_lookahead,
                 )
-            )
+            ),
+            profile,
         )
     data = _core.make_plan(
         text,
@@ -278,7 +297,34 @@ def plan_profile(
         alloc_conf=alloc_conf,
         reserved_rounds=reserved_rounds,
     )
-    return Plan(json.loads(data))
+    return _with_fixed_memory(json.loads(data), profile)
+
+
+def fixed_memory(profile: ProfileLike) -> Dict[str, Any]:
+    """The memory no plan can move, and where it is: the constant memory by kind (parameters,
+    optimizer state, inputs, workspace: on the device for the whole step), the gradients (all
+    of them exist by the step's end), and the lower bound of any plan's peak with the stage and
+    unit where it is reached (that stage's constant memory, gradients so far, transients and the
+    activations it reads)."""
+    prof = profile if isinstance(profile, dict) else json.loads(profile_json(profile))
+    memory = {k: int(v) for k, v in (prof.get("memory") or {}).items()}
+    bound, stage = _core.lower_bound(profile_json(prof))
+    kind, _, index = str(stage).partition(":")
+    units = prof.get("units") or []
+    unit = units[int(index)]["name"] if index.isdigit() and int(index) < len(units) else None
+    return {
+        "constant": memory,
+        "constant_bytes": sum(memory.values()),
+        "gradient_bytes": sum(int(u.get("grad_bytes", 0)) for u in units),
+        "lower_bound_bytes": int(bound),
+        "lower_bound_stage": stage,
+        "lower_bound_unit": unit,
+    }
+
+
+def _with_fixed_memory(data: Dict[str, Any], profile: ProfileLike) -> "Plan":
+    data["fixed_memory"] = fixed_memory(profile)
+    return Plan(data)
 
 
 def evaluate(
