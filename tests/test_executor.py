@@ -609,6 +609,30 @@ def test_exception_mid_forward_leaves_nothing_behind(exc: BaseException) -> None
     assert backend.stats().buffers_in_use == 0
 
 
+def test_an_exception_in_a_users_forward_hook_leaves_nothing_behind() -> None:
+    model, x, y = make("inception")
+    ref = copy.deepcopy(model)
+    n = len(records(model, x))
+    backend = CpuBackend()
+    planned = PlannedModule(model, cycle(n, ["swap", "recompute", "retain"]), backend=backend)
+
+    def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        raise RuntimeError("injected: a forward hook failed")
+
+    h = model.block1.b1.conv.register_forward_hook(hook)
+    with pytest.raises(RuntimeError, match="injected"):
+        planned(x)
+    h.remove()
+    gc.collect()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0 and planned.last_stats.aborted
+    _assert_no_hooks(model)
+    got = _grads_after_step(planned, model, x, y)
+    assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    planned.close()
+    backend.close()
+
+
 def test_interrupt_during_backward_frees_everything() -> None:
     model, x, y = make("resnet18")
     n = len(records(model, x))
