@@ -639,25 +639,7 @@ class UnitTracker:
 
     # ---------------------------------------------------------------- hooks
 
-    # The module hooks run outside any torch call, where the glue mode is active: every tensor
-    # attribute they read (layout, device, storage, version) would go through the mode's Python
-    # __torch_function__. They run with torch-function handling off (the tracker's own reads
-    # and bookkeeping only; the module itself runs as usual).
-
     def _root_pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        with torch._C.DisableTorchFunction():
-            self._root_pre_hook_impl(module, args, kwargs)
-
-    def _pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        with torch._C.DisableTorchFunction():
-            self._pre_hook_impl(module, args, kwargs)
-
-    def _post_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
-        with torch._C.DisableTorchFunction():
-            self._post_hook_impl(module, args, kwargs, output)
-
-
-    def _root_pre_hook_impl(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if not self._active or is_replaying():
             return
         self._busy += 1
@@ -675,7 +657,7 @@ class UnitTracker:
         finally:
             self._busy -= 1
 
-    def _pre_hook_impl(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def _pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if not self._active or is_replaying():
             return
         if self._depth > 0:  # a unit module called inside another unit: part of the outer one
@@ -720,7 +702,7 @@ class UnitTracker:
         finally:
             self._busy -= 1
 
-    def _post_hook_impl(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+    def _post_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if not self._active or is_replaying():
             return
         if self._depth > 1:
