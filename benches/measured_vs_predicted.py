@@ -14,6 +14,7 @@ was measured over its prediction.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 import torch
@@ -30,6 +31,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=14)
     ap.add_argument("--link", type=float, default=0.15, help="host link cap, GB/s")
     ap.add_argument("--budgets", type=int, nargs="+", default=[3_900_000, 4_152_528, 4_600_000, 5_200_000, 5_926_872])
+    ap.add_argument("--save-over", default=None, metavar="DIR", help="save the plans measured over their prediction here")
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -57,6 +59,9 @@ def main() -> int:
                 predicted = plan.predicted["peak_bytes"]
                 total += 1
                 over += measured > predicted
+                if measured > predicted and a.save_over:
+                    os.makedirs(a.save_over, exist_ok=True)
+                    plan.save(os.path.join(a.save_over, f"over-{seed}-{budget}.plan.json"))
                 print(f"seed {seed:3d} budget {budget:9d} predicted {predicted:9d} measured {measured:9d} "
                       f"{measured - predicted:+8d} {plan.counts()}{'  OVER' if measured > predicted else ''}",
                       flush=True)
