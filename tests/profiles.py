@@ -51,7 +51,7 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
     if segments:
         # What a unit holds for a replay, split by producer (held_from), and the saved values it
         # reads of its inputs (saved_from): checkpoint segments use both.
-        for u in units:
+        for i, u in enumerate(units):
             held_from, left = [], u["held_input_bytes"]
             for p in u["inputs"]:
                 if not units[p]["output_saved"] and left > 0 and draw(st.booleans()):
@@ -59,8 +59,11 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
                     held_from.append([p, b])
                     left -= b
             u["held_from"] = held_from
-            u["saved_from"] = [[p, min(units[p]["output_bytes"], units[p]["act_bytes"])]
-                               for p in u["inputs"] if units[p]["output_saved"]]
+            # as the profiler records it: the values of its inputs whose activations its backward
+            # reads (an output it saves, or a saved glue value: the producer's activations)
+            u["saved_from"] = [[p, min(units[p]["output_bytes"], units[p]["act_bytes"])
+                                if units[p]["output_saved"] else units[p]["act_bytes"]]
+                               for p in u["inputs"] if i in units[p]["read_by"]]
     bw = draw(st.floats(10.0, 10000.0))
     return {
         "format": "tensorplace.profile",

@@ -176,3 +176,17 @@ def test_a_plan_profiled_under_another_environment_warns_when_run() -> None:
     data["profile"] = dict(data["profile"], environment=dict(env, threads=env["threads"] + 7))
     with pytest.warns(RuntimeWarning, match="threads"):
         tp.run(model, tp.Plan(data)).close()
+
+
+def test_a_unit_replayed_only_to_hand_back_a_saved_value_lets_its_activations_go() -> None:
+    """Found by the property above (the profile is the example Hypothesis reduced): u2, recomputed,
+    is replayed at its own backward stage to hand back what it saved of u0 (another segment), though
+    u3, the only reader of u2's activations, has already run: those activations must go at once."""
+    import json
+    from pathlib import Path
+
+    p = json.loads((Path(__file__).parent / "data" / "replay-hands-back-profile.json").read_text())
+    actions = ["recompute", "retain", "recompute", "recompute"] + ["retain"] * 5
+    r = tp.evaluate(p, actions, 2**62, segment_starts=[3])
+    assert r["end_bytes"] == 0
+    assert [x["unit"] for x in r["replays"]] == [3, 2, 0]

@@ -473,6 +473,13 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         self.s.resident[u] = true;
         self.s.ready[u] = self.t;
         self.release_held(u);
+        // A unit replayed only to hand back what it saved of another segment's unit (its own
+        // activations' readers have all run, or it has none): its activations go at once.
+        if g.last_use[u].map_or(true, |lu| lu > i) {
+            self.s.resident[u] = false;
+            self.mem -= g.act[u];
+            self.free_act(u);
+        }
         // Inputs materialised only for this replay whose last reader has already run: free them.
         for &p in &g.replay_inputs[u] {
             if let Some(lu) = g.last_use[p] {
