@@ -1009,3 +1009,19 @@ def test_cpu_backend_bandwidth_cap() -> None:
     be.close()
     d2h, h2d = CpuBackend().bandwidth(8 << 20)
     assert d2h > cap and h2d > cap
+
+
+def test_a_prefetch_before_the_offload_completed_keeps_the_device_bytes_instead_of_a_second_copy() -> None:
+    """Otherwise the source (still alive) and the prefetch's new buffer are both on the device:
+    measured above the plan's prediction when a copy runs late (benches/measured_vs_predicted.py)."""
+    be = CpuBackend(bandwidth_cap=1e6)  # 1 MB/s: the 100 KB offload takes about 0.1 s
+    src = torch.arange(100_000, dtype=torch.uint8)
+    h = be.offload(src)
+    be.prefetch(h)
+    assert h.device_tensor is None
+    be.synchronize()
+    be.poll()  # the offload completed, but its device bytes stay for the fetch
+    out = be.fetch(h)
+    assert out.data_ptr() == src.data_ptr() and torch.equal(out, src)
+    be.release(h)
+    be.close()

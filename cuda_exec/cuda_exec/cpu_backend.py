@@ -32,7 +32,7 @@ class CpuHostHandle:
 
     __slots__ = (
         "nbytes", "buf", "source", "device_tensor", "offload_done", "prefetch_done",
-        "prefetch_issued", "cancelled", "released", "pending", "error", "__weakref__",
+        "prefetch_issued", "cancelled", "released", "pending", "error", "keep_source", "__weakref__",
     )
 
     def __init__(self, nbytes: int, buf: np.ndarray, source: torch.Tensor) -> None:
@@ -48,6 +48,8 @@ class CpuHostHandle:
         self.released = False
         self.pending = 0  #: queued copies not yet finished
         self.error: Optional[BaseException] = None  #: why a copy of this handle failed
+        #: prefetched before its offload completed: the device bytes stay for fetch
+        self.keep_source = False
 
 
 @dataclass
@@ -151,9 +153,12 @@ class CpuBackend:
             self._check()
         with self._lock:
             done, self._done = self._done, []
+        freed = 0
         for h in done:
-            h.source = None
-        return len(done)
+            if not h.keep_source:
+                h.source = None
+                freed += 1
+        return freed
 
     def wait_offload(self, handle: CpuHostHandle) -> None:
         """Block until `handle`'s offload has completed (and those queued before it), then free
@@ -182,6 +187,11 @@ class CpuBackend:
         if h.prefetch_issued:
             return
         h.prefetch_issued = True
+        if h.source is not None:
+            # the offload has not completed: keep the device bytes (fetch hands them back) rather
+            # than allocate a second copy next to them
+            h.keep_source = True
+            return
         h.device_tensor = torch.empty(h.nbytes, dtype=torch.uint8)
         with self._lock:
             h.pending += 1
