@@ -623,13 +623,8 @@ def test_an_exception_in_a_users_forward_hook_leaves_nothing_behind() -> None:
     with pytest.raises(RuntimeError, match="injected"):
         planned(x)
     h.remove()
-    gc.collect()
-    backend.synchronize()
-    assert backend.stats().buffers_in_use == 0 and planned.last_stats.aborted
-    _assert_no_hooks(model)
-    got = _grads_after_step(planned, model, x, y)
-    assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
-    planned.close()
+    assert planned.last_stats.aborted
+    _assert_released_then_exact(planned, backend, model, ref, x, y, steps=1)
     backend.close()
 
 
@@ -698,6 +693,22 @@ def _grads_after_step(module: nn.Module, params: nn.Module, x: torch.Tensor, y: 
     torch.manual_seed(3)
     loss_fn(module(x), y).backward()
     return [p.grad.clone() for p in params.parameters()]
+
+
+def _assert_released_then_exact(planned: PlannedModule, backend: CpuBackend, model: nn.Module, ref: nn.Module,
+                                x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> None:
+    """After a failed step: every host buffer and hook is gone, and the next ``steps`` steps
+    train bitwise equal to ``ref`` (a copy of the model from before the failure). Closes
+    ``planned``."""
+    gc.collect()
+    planned.abort_interrupted()
+    backend.synchronize()
+    assert backend.stats().buffers_in_use == 0
+    _assert_no_hooks(model)
+    for _ in range(steps):
+        got = _grads_after_step(planned, model, x, y)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    planned.close()
 
 
 def test_close_frees_a_step_interrupted_in_backward() -> None:
@@ -783,15 +794,7 @@ def test_out_of_memory_in_a_copy_aborts_the_step_and_the_next_one_is_exact(metho
         model.zero_grad(set_to_none=True)
         loss_fn(planned(x), y).backward()
     assert planned.last_stats.aborted
-    gc.collect()
-    planned.abort_interrupted()
-    backend.synchronize()
-    assert backend.stats().buffers_in_use == 0
-    _assert_no_hooks(model)
-    for _ in range(2):
-        got = _grads_after_step(planned, model, x, y)
-        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
-    planned.close()
+    _assert_released_then_exact(planned, backend, model, ref, x, y)
     backend.synchronize()
     assert backend.stats().buffers_in_use == 0
     backend.close()
@@ -825,15 +828,7 @@ def test_a_failed_copy_aborts_the_step_and_the_next_one_is_exact(direction: str)
     planned = PlannedModule(model, ["swap"] * n, backend=backend)
     with pytest.raises(RuntimeError, match="injected"):
         loss_fn(planned(x), y).backward()
-    gc.collect()
-    planned.abort_interrupted()
-    backend.synchronize()
-    assert backend.stats().buffers_in_use == 0
-    _assert_no_hooks(model)
-    for _ in range(2):
-        got = _grads_after_step(planned, model, x, y)
-        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
-    planned.close()
+    _assert_released_then_exact(planned, backend, model, ref, x, y)
     backend.close()
 
 
@@ -861,15 +856,7 @@ def test_an_exception_in_a_replay_aborts_the_step_and_the_next_one_is_exact() ->
     model[1].armed = True
     with pytest.raises(RuntimeError, match="injected"):
         loss_fn(planned(x), y).backward()
-    gc.collect()
-    planned.abort_interrupted()
-    backend.synchronize()
-    assert backend.stats().buffers_in_use == 0
-    _assert_no_hooks(model)
-    for _ in range(2):
-        got = _grads_after_step(planned, model, x, y)
-        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
-    planned.close()
+    _assert_released_then_exact(planned, backend, model, ref, x, y)
     backend.close()
 
 
