@@ -83,6 +83,13 @@ struct Block {
     segment: usize,
 }
 
+impl Block {
+    /// A free block with no neighbours yet (`prev` / `next` are set when it is linked).
+    fn new(addr: u64, size: u64, stream: u64, small: bool, mapped: bool, segment: usize) -> Block {
+        Block { addr, size, requested: 0, stream, small, active: false, mapped, prev: NIL, next: NIL, segment }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Segment {
     expandable: bool,
@@ -196,30 +203,8 @@ impl Caching {
                 let space = self.address_space.max(f.size + LARGE_BUFFER);
                 let addr = self.take_address(space);
                 let seg = self.new_segment(true);
-                let b = self.new_block(Block {
-                    addr,
-                    size: f.size,
-                    requested: 0,
-                    stream: f.stream,
-                    small: f.small,
-                    active: false,
-                    mapped: true,
-                    prev: NIL,
-                    next: NIL,
-                    segment: seg,
-                });
-                let u = self.new_block(Block {
-                    addr: addr + f.size,
-                    size: space - f.size,
-                    requested: 0,
-                    stream: f.stream,
-                    small: f.small,
-                    active: false,
-                    mapped: false,
-                    prev: b,
-                    next: NIL,
-                    segment: seg,
-                });
+                let b = self.new_block(Block::new(addr, f.size, f.stream, f.small, true, seg));
+                let u = self.new_block(Block { prev: b, ..Block::new(addr + f.size, space - f.size, f.stream, f.small, false, seg) });
                 self.blocks[b].next = u;
                 self.insert_free(b);
                 self.pools[pool_index(f.small)].unmapped.insert((f.stream, addr + f.size, u));
@@ -228,18 +213,7 @@ impl Caching {
             let addr = f.addr.unwrap_or_else(|| self.take_address(f.size));
             let seg = self.new_segment(false);
             self.segments[seg].pinned = true;
-            let b = self.new_block(Block {
-                addr,
-                size: f.size,
-                requested: 0,
-                stream: f.stream,
-                small: f.small,
-                active: false,
-                mapped: true,
-                prev: NIL,
-                next: NIL,
-                segment: seg,
-            });
+            let b = self.new_block(Block::new(addr, f.size, f.stream, f.small, true, seg));
             self.insert_free(b);
         }
         let held = init.reserved - listed;
@@ -247,18 +221,7 @@ impl Caching {
             let addr = self.take_address(held);
             let seg = self.new_segment(false);
             self.segments[seg].pinned = true;
-            self.new_block(Block {
-                addr,
-                size: held,
-                requested: 0,
-                stream: 0,
-                small: false,
-                active: true,
-                mapped: true,
-                prev: NIL,
-                next: NIL,
-                segment: seg,
-            });
+            self.new_block(Block { active: true, ..Block::new(addr, held, 0, false, true, seg) });
         }
         self.reserved = init.reserved;
         self.allocated = init.allocated;
@@ -272,35 +235,13 @@ impl Caching {
         // exactly the reserved bytes, even where they are not whole pages: the recorded
         // reserved figure includes small-pool pages this model does not separate
         let mapped = reserved;
-        let head = self.new_block(Block {
-            addr,
-            size: mapped,
-            requested: 0,
-            stream: 0,
-            small: false,
-            active: false,
-            mapped: true,
-            prev: NIL,
-            next: NIL,
-            segment: seg,
-        });
+        let head = self.new_block(Block::new(addr, mapped, 0, false, true, seg));
         self.reserved += reserved;
         if self.expandable {
             // the rest of the segment's address space stays unmapped
             let rest = self.address_space.max(reserved) - mapped;
             if rest > 0 {
-                let u = self.new_block(Block {
-                    addr: addr + mapped,
-                    size: rest,
-                    requested: 0,
-                    stream: 0,
-                    small: false,
-                    active: false,
-                    mapped: false,
-                    prev: head,
-                    next: NIL,
-                    segment: seg,
-                });
+                let u = self.new_block(Block { prev: head, ..Block::new(addr + mapped, rest, 0, false, false, seg) });
                 self.blocks[head].next = u;
                 self.pools[0].unmapped.insert((0, addr + mapped, u));
             }
@@ -477,18 +418,7 @@ impl Caching {
         let seg = self.new_segment(false);
         self.reserved += bytes;
         self.device_allocs += 1;
-        Some(self.new_block(Block {
-            addr,
-            size: bytes,
-            requested: 0,
-            stream,
-            small,
-            active: false,
-            mapped: true,
-            prev: NIL,
-            next: NIL,
-            segment: seg,
-        }))
+        Some(self.new_block(Block::new(addr, bytes, stream, small, true, seg)))
     }
 
     fn page(small: bool) -> u64 {
@@ -526,18 +456,7 @@ impl Caching {
         let space = self.address_space;
         let addr = self.take_address(space);
         let seg = self.new_segment(true);
-        let i = self.new_block(Block {
-            addr,
-            size: space,
-            requested: 0,
-            stream,
-            small,
-            active: false,
-            mapped: false,
-            prev: NIL,
-            next: NIL,
-            segment: seg,
-        });
+        let i = self.new_block(Block::new(addr, space, stream, small, false, seg));
         self.pools[pool_index(small)].unmapped.insert((stream, addr, i));
         i
     }
