@@ -549,19 +549,25 @@ def profile_source_args(p: argparse.ArgumentParser, default: str, batch: int = 3
     p.add_argument("--batch", type=positive_int, default=batch, help=f"batch of the builtin profile (default {batch})")
 
 
-def load_source(a: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
-    """(label, profile) from --model / --profile."""
-    from .. import examples
+def read_profile(path: str, what: str, hint: str = "") -> Dict[str, Any]:
+    """The profile at ``path``, or SystemExit saying why not (``what`` names the argument)."""
     from .._core import PlannerError
     from ..planning import load_profile
 
+    try:
+        return load_profile(path)
+    except FileNotFoundError:
+        raise SystemExit(f"{what} {path!r}: no such file{hint}") from None
+    except (PlannerError, ValueError) as e:
+        raise SystemExit(f"{what} {path!r} is not a valid profile: {e}") from None
+
+
+def load_source(a: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
+    """(label, profile) from --model / --profile."""
+    from .. import examples
+
     if getattr(a, "profile", None):
-        try:
-            prof = load_profile(a.profile)
-        except FileNotFoundError:
-            raise SystemExit(f"--profile {a.profile!r}: no such file") from None
-        except (PlannerError, ValueError) as e:
-            raise SystemExit(f"--profile {a.profile!r} is not a valid profile: {e}") from None
+        prof = read_profile(a.profile, "--profile")
         return f"{prof.get('model', a.profile)} batch {prof.get('batch_size')}", prof
     return f"{a.model} batch {a.batch}", examples.profile(a.model, batch_size=a.batch)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
-from .._core import BudgetError, PlannerError
+from .._core import BudgetError
 from ..budget import format_bytes
-from ..planning import Plan, load_profile, lower_bound, plan_profile, unplanned_peak
+from ..planning import Plan, lower_bound, plan_profile, unplanned_peak
 from . import common
 
 
@@ -26,12 +26,7 @@ def plan_from_profile(prof: Dict[str, Any], budget: int, method: str, **search: 
 
 def cmd_plan(a: argparse.Namespace) -> int:
     """Plan from a saved profile and save the plan."""
-    try:
-        prof = load_profile(a.profile)
-    except FileNotFoundError:
-        raise SystemExit(f"profile {a.profile!r}: no such file (write one with `tensorplace-bench profile`)") from None
-    except (PlannerError, ValueError) as e:
-        raise SystemExit(f"{a.profile!r} is not a valid profile: {e}") from None
+    prof = common.read_profile(a.profile, "profile", " (write one with `tensorplace-bench profile`)")
     if not common.planner_knows(a.method):
         raise SystemExit(f"--method {a.method!r}: this planner does not know it; use pso, swap-all, recompute-all, "
                          "retain or exhaustive")
