@@ -13,6 +13,7 @@ import torchvision
 from torch import nn
 
 import tensorplace as tp
+from side_by_side import assert_trains_alike
 
 HEURISTICS = ["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta"]
 MILPS = ["milp", "milp-swap", "milp-recompute"]
@@ -163,20 +164,5 @@ def test_training_under_each_method_is_bitwise_equal(probe: tp.Plan, method: str
     model, x, loss_fn = _resnet()
     ref = copy.deepcopy(model)
     fast = tp.run(model, plan)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
-        loss_ref = loss_fn(ref(x))
-        loss_ref.backward()
-        loss = loss_fn(fast(x))
-        loss.backward()
-        assert torch.equal(loss, loss_ref), f"{method} step {step}: loss differs"
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), f"{method} step {step}: gradient of {n} differs"
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-    for (n, b), c in zip(model.named_buffers(), ref.buffers()):
-        assert torch.equal(b, c), f"{method}: buffer {n} differs"
+    assert_trains_alike(model, fast, ref, x, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 2, method)
     fast.close()

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tensorplace as tp
 from profiles import dag_profiles
+from side_by_side import assert_trains_alike
 from tensorplace.models import TinyGPT
 from tensorplace.profiler import unplanned_step_stats
 
@@ -95,22 +96,7 @@ def test_training_under_segment_recipes_is_bitwise_equal(method: str) -> None:
     assert plan.counts()["recompute"] > 0 and plan.segment_starts
     ref = copy.deepcopy(model)
     fast = tp.run(model, plan)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(2):
-        torch.manual_seed(step)
-        loss_ref = loss_fn(ref(x))
-        loss_ref.backward()
-        torch.manual_seed(step)
-        loss = loss_fn(fast(x))
-        loss.backward()
-        assert torch.equal(loss, loss_ref)
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {step}: gradient of {n} differs"
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
+    assert_trains_alike(model, fast, ref, x, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1), 2, method)
     fast.close()
 
 

@@ -13,6 +13,7 @@ import torchvision
 from torch import nn
 
 import tensorplace as tp
+from side_by_side import assert_trains_alike
 from tensorplace.models import TinyGPT, TinyInception
 from tensorplace.profiler import ProfilerError, unplanned_step_stats
 
@@ -76,26 +77,7 @@ def test_training_under_a_searched_plan_is_bitwise_equal(name: str) -> None:
     assert counts["swap"] + counts["recompute"] > 0, counts
     ref = copy.deepcopy(model)
     fast = tp.run(model, plan)
-    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for step in range(3):
-        torch.manual_seed(step)
-        loss_ref = loss_fn(ref(x))
-        loss_ref.backward()
-        torch.manual_seed(step)
-        loss = loss_fn(fast(x))
-        loss.backward()
-        assert torch.equal(loss, loss_ref), f"{name} step {step}: loss {loss.item()} != {loss_ref.item()}"
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.grad, q.grad), f"{name} step {step}: gradient of {n} differs"
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(p, q), f"{name}: parameter {n} differs"
-    for (n, b), c in zip(model.named_buffers(), ref.buffers()):
-        assert torch.equal(b, c), f"{name}: buffer {n} (BatchNorm statistics) differs"
+    assert_trains_alike(model, fast, ref, x, loss_fn, lambda ps: torch.optim.Adam(ps, lr=1e-3), 3, name)
     # eval mode simply runs the model
     model.eval()
     ref.eval()
