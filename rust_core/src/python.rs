@@ -7,7 +7,7 @@ use crate::evaluator::{evaluate_segments, EvalOptions, Outcome, Scratch};
 use crate::peak;
 use crate::plan::{BudgetKind, Plan};
 use crate::planner::{check_budget as run_check_budget, make_plan as run_make_plan, plan_from_actions as run_plan_from_actions, PlanSettings};
-use crate::profile::Profile;
+use crate::profile::{Graph, Profile};
 use crate::pso::PsoSettings;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
@@ -94,7 +94,20 @@ fn profile_fingerprint(profile_json: &str) -> PyResult<String> {
     Ok(parse_profile(profile_json)?.fingerprint())
 }
 
-fn parse_starts(g: &crate::profile::Graph, segment_starts: Option<Vec<usize>>) -> PyResult<Vec<bool>> {
+/// The profile, its graph, one action per unit and the segment flags of an evaluation call.
+fn parse_plan_inputs(
+    profile_json: &str,
+    actions: Vec<String>,
+    segment_starts: Option<Vec<usize>>,
+) -> PyResult<(Profile, Graph, Vec<Action>, Vec<bool>)> {
+    let p = parse_profile(profile_json)?;
+    let g = p.graph().map_err(to_py)?;
+    let a = parse_actions(actions, g.n)?;
+    let starts = parse_starts(&g, segment_starts)?;
+    Ok((p, g, a, starts))
+}
+
+fn parse_starts(g: &Graph, segment_starts: Option<Vec<usize>>) -> PyResult<Vec<bool>> {
     match segment_starts {
         None => Ok(g.block_start.clone()),
         Some(list) => {
@@ -129,10 +142,7 @@ fn evaluate(
     reserved: bool,
     alloc_conf: Option<String>,
 ) -> PyResult<String> {
-    let p = parse_profile(profile_json)?;
-    let g = p.graph().map_err(to_py)?;
-    let a = parse_actions(actions, g.n)?;
-    let starts = parse_starts(&g, segment_starts)?;
+    let (p, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
     let mut js = if reserved {
         let (text, conf) = crate::reserved::alloc_conf_for(&p, alloc_conf.as_deref()).map_err(to_py)?;
@@ -164,10 +174,7 @@ fn allocation_sequence(
     prefetch_lookahead: usize,
     segment_starts: Option<Vec<usize>>,
 ) -> PyResult<String> {
-    let p = parse_profile(profile_json)?;
-    let g = p.graph().map_err(to_py)?;
-    let a = parse_actions(actions, g.n)?;
-    let starts = parse_starts(&g, segment_starts)?;
+    let (_, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
     let seq = crate::alloc_sequence::allocation_sequence(&g, &a, &starts, budget, &eval).map_err(to_py)?;
     Ok(json!({
