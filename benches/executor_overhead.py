@@ -8,8 +8,8 @@ sum loss, backward, grads set to None) is timed in three modes, interleaved in o
 * ``retain``: ``PlannedModule`` with the all-retain plan;
 * ``swap1``: ``PlannedModule`` with one swapped unit near the end (the last LayerNorm: its mean,
   rstd and output are swapped to the CPU backend's host tier), the rest retained;
-* ``recompute1``: the same unit recomputed instead (``--recompute``; a plan with a recomputed
-  unit runs the executor's full step every step).
+* ``recompute1``: the same unit recomputed instead (``--recompute``: its segment is tracked and
+  replayed in backward, the rest runs as in ``retain``).
 
 It prints the median step time of each mode and the overhead per unit over ``unplanned`` in
 microseconds. Run: ``nice python benches/executor_overhead.py [--steps 60] [--width 32]``.

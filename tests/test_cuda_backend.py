@@ -415,6 +415,34 @@ def test_fake_source_held_until_copy_completes(fake):
     b.release(h)
 
 
+def test_fake_prefetch_before_the_offload_completed_hands_back_the_source(fake):
+    """A prefetch issued while the offload's copy has not run: the device bytes are still there,
+    so fetch returns them, with no second device allocation and no copy back."""
+    b, rt, tt = fake.b, fake.rt, fake.torch
+    x = torch.arange(1 << 12, dtype=torch.float32)
+    ptr = x.data_ptr()
+    h = b.offload(x)
+    del x
+    b.prefetch(h)
+    y = b.fetch(h)
+    assert y.data_ptr() == ptr and torch.equal(y, torch.arange(1 << 12, dtype=torch.float32))
+    assert not tt.allocated and b.stats["h2d_bytes"] == 0 and b.stats["kept_sources"] == 1
+    rt.run()  # the offload's copy still runs (it was queued); then everything is given back
+    del y
+    b.release(h)
+    b.synchronize()
+    assert b.pool.bytes_in_use == 0 and b.pending_offloads == 0
+    # after a swap deadline let the source go, a prefetch copies back as usual
+    z = torch.arange(1 << 12, dtype=torch.float32)
+    h = b.offload(z)
+    b.release_offload(h)
+    del z
+    b.prefetch(h)
+    assert tt.allocated and b.stats["h2d_bytes"] == 1 << 14
+    assert torch.equal(b.fetch(h), torch.arange(1 << 12, dtype=torch.float32))
+    b.release(h)
+
+
 def test_fake_swap_deadline_is_a_stream_wait_and_drops_the_sources(fake):
     b, rt, tt = fake.b, fake.rt, fake.torch
     tt.stream = 7
@@ -427,7 +455,7 @@ def test_fake_swap_deadline_is_a_stream_wait_and_drops_the_sources(fake):
     waits = len(rt.waits)
     b.release_offload(hs[1])
     # the compute stream (7) waits for the second copy's event; the host did not block
-    assert rt.waits[waits:] == [(7, b._offload_events[id(hs[1]._slot)].id)]
+    assert rt.waits[waits:] == [(7, hs[1]._slot.offload_event.id)]
     assert not any(c in SYNC_CALLS for c in rt.calls)
     gc.collect()
     # FIFO: the first two sources are dropped, the third is still held for its copy
@@ -446,6 +474,7 @@ def test_fake_ordering_follows_the_live_compute_stream(fake):
     h = b.offload(torch.ones(1000))
     assert rt.compute_records == [11]
     assert rt.waits[-1][0] == rt.copy  # the copy stream waits for the compute stream
+    rt.run()  # the offload completed: a prefetch copies back
     b.prefetch(h)  # allocation on stream 11: the copy waits for it again
     assert rt.compute_records == [11, 11]
     tt.stream = 23  # backward on another thread's stream
@@ -466,6 +495,7 @@ def test_fake_ordering_follows_the_live_compute_stream(fake):
 def test_fake_prefetch_then_release_without_fetch(fake):
     b, rt, tt = fake.b, fake.rt, fake.torch
     h = b.offload(torch.ones(4096))
+    rt.run()
     tt.stream = 5
     b.prefetch(h)
     ready = h._slot.ready_event.id
@@ -490,6 +520,7 @@ def test_fake_dropped_handles_are_reclaimed(fake):
 
 def _step(b, sizes, base):
     hs = [b.offload(torch.full((n,), float(base + i))) for i, n in enumerate(sizes)]
+    b.synchronize()  # the offloads completed: the prefetches copy back
     for h in hs[::2]:
         b.prefetch(h)
     for i, h in reversed(list(enumerate(hs))):

@@ -245,6 +245,27 @@ def test_steady_steps_run_no_mode_and_one_hook_per_unit_module() -> None:
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+def test_steady_steps_of_a_recompute_plan_track_only_the_recomputed_segments() -> None:
+    """Issue 6: a plan with recomputed units runs the lean path from its second step too. The
+    TorchFunctionMode that records glue for replays is on only from a recomputed unit's start to
+    the end of its segment (the start of the next unit)."""
+    model, x, y = make("resnet18")
+    recs = records(model, x)
+    acts = ["recompute" if r.name.startswith("layer1.") else "retain" for r in recs]
+    seen: Dict[str, List[int]] = {"layer1.0.conv2": [], "fc": []}
+    for name, lst in seen.items():
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, lst=lst: None if is_replaying() else lst.append(torch._C._len_torch_function_stack()))
+    planned = PlannedModule(model, acts, backend=CpuBackend())
+    for _ in range(3):
+        loss_fn(planned(x), y).backward()
+        assert planned.last_stats.replays > 0 and not planned.last_stats.aborted
+    assert planned.executor._table is not None
+    assert seen["layer1.0.conv2"] == [1, 1, 1]  # after layer1.0.relu, recomputed: its glue is tracked
+    assert seen["fc"] == [1, 0, 0]  # after avgpool, retained: tracked only in the first step
+    planned.close()
+
+
 class Switch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -258,7 +279,8 @@ class Switch(nn.Module):
         return self.c(h)
 
 
-@pytest.mark.parametrize("actions", [["retain"] * 3, ["swap", "retain", "swap"], ["swap"] * 3])
+@pytest.mark.parametrize("actions", [["retain"] * 3, ["swap", "retain", "swap"], ["swap"] * 3,
+                                     ["recompute", "retain", "recompute"], ["recompute"] * 3])
 def test_control_flow_change_in_a_steady_step_is_refused_cleanly(actions: List[str]) -> None:
     torch.manual_seed(0)
     model = Switch()
@@ -272,6 +294,7 @@ def test_control_flow_change_in_a_steady_step_is_refused_cleanly(actions: List[s
         planned(x)
     gc.collect()
     _assert_no_hooks(model)
+    assert torch._C._len_torch_function_stack() == 0
     backend.synchronize()
     assert backend.stats().buffers_in_use == 0
     assert planned.last_stats.aborted
@@ -337,7 +360,7 @@ def test_backward_swap_deadlines_are_kept_without_a_prefetch_at_their_stage(lean
     recs = records(model, x)
     n = len(recs)
     swapped = [i for i in range(n - 4) if recs[i].act_bytes][-3:]
-    acts = ["swap" if i in swapped else ("recompute" if not lean and i == 0 else "retain") for i in range(n)]
+    acts = ["swap" if i in swapped else "retain" for i in range(n)]
     prefetch = schedule(recs, acts)
     assert max(p["issue_at_backward_of"] for p in prefetch) < n - 2
     # the first backward stage, and one that prefetches nothing
@@ -347,6 +370,7 @@ def test_backward_swap_deadlines_are_kept_without_a_prefetch_at_their_stage(lean
     plan = {"units": [r.name for r in recs], "actions": acts, "swap_deadlines": deadlines, "prefetch": prefetch}
     backend = CpuBackend(bandwidth_cap=20e6)  # about 3 ms per 64 KiB: the copies outlast the forward
     planned = PlannedModule(model, plan, backend=backend)
+    planned.executor.lean = lean  # False: every step is a full step
     try:
         for _ in range(2):  # the lean path runs from the second step
             out = planned(x)
@@ -645,10 +669,10 @@ def test_interrupt_during_backward_frees_everything() -> None:
     h.remove()
     del loss, out
     gc.collect()
-    _assert_no_hooks(model)
     # PyTorch keeps the unfinished part of the graph alive after an error in backward; the
-    # executor knows the backward never finished and frees its host buffers
+    # executor knows the backward never finished and frees its host buffers and its hooks
     assert planned.abort_interrupted() == 1
+    _assert_no_hooks(model)
     backend.synchronize()
     assert backend.stats().buffers_in_use == 0
     model.zero_grad()

@@ -278,7 +278,8 @@ class _TorchCuda:
 class _Slot:
     """What a handle owns; kept apart from the handle so that a finalizer can reclaim it."""
 
-    __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "fetched", "__weakref__")
+    __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "fetched", "offload_event",
+                 "__weakref__")
 
     def __init__(self, ptr: Optional[int], capacity: int):
         self.ptr = ptr
@@ -287,6 +288,7 @@ class _Slot:
         self.alloc_stream: Optional[int] = None  # compute stream the prefetch allocated on
         self.ready_event: Any = None  # recorded on the copy stream after the last H2D
         self.fetched: Optional[weakref.ref] = None  # the tensor fetch returned
+        self.offload_event: Any = None  # the offload's completion event, until seen complete
 
 
 class CudaHostHandle:
@@ -363,14 +365,14 @@ class CudaBackend(Backend):
         # FIFO of (completion event, tensor kept alive) in copy-stream order
         self._pending: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
         #: id(slot) -> completion event of its offload, while that offload is pending
-        self._offload_events: Dict[int, Any] = {}
-        self._event_slot: Dict[int, int] = {}  # id(completion event) -> its key in _offload_events
+        #: id(pending offload's completion event) -> its slot (events are pooled and reused)
+        self._event_slot: Dict[int, "weakref.ref[_Slot]"] = {}
         with self._torch.device_guard():
             self._stream = self._cuda("cudaStreamCreateWithFlags", self._cuda.rt.cudaStreamNonBlocking)
         self.pool = PinnedPool(self._cuda)
         self._events = _EventPool(self._cuda, self._torch.device_guard)
         self.stats = {"offloads": 0, "prefetches": 0, "fetches": 0, "releases": 0, "d2h_bytes": 0, "h2d_bytes": 0,
-                      "deadline_releases": 0}
+                      "deadline_releases": 0, "kept_sources": 0}
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -418,8 +420,8 @@ class CudaBackend(Backend):
                 self.pool.give_back(ptr)
                 raise
             self._pending.append((done, src))  # src (a view of the caller's storage) stays alive
-            self._offload_events[id(slot)] = done
-            self._event_slot[id(done)] = id(slot)
+            slot.offload_event = done
+            self._event_slot[id(done)] = weakref.ref(slot)
             self.stats["offloads"] += 1
             self.stats["d2h_bytes"] += nbytes
             return self._new_handle(nbytes, src, slot)
@@ -476,7 +478,7 @@ class CudaBackend(Backend):
         then drop the sources: the cost model's wait for a swap-out before a stage."""
         with self._lock:
             self._check_open()
-            ev = self._offload_events.get(id(handle._slot)) if handle._slot is not None else None
+            ev = handle._slot.offload_event if handle._slot is not None else None
             if ev is not None:
                 self._cuda("cudaEventSynchronize", ev)
             self._service()
@@ -491,7 +493,7 @@ class CudaBackend(Backend):
         they fire (``poll``)."""
         with self._lock:
             self._service()
-            ev = self._offload_events.get(id(handle._slot)) if handle._slot is not None else None
+            ev = handle._slot.offload_event if handle._slot is not None else None
             if ev is None:
                 return  # completed already (its source is gone), released, or never copied
             self._cuda("cudaStreamWaitEvent", self._compute_stream()[1], ev, 0)
@@ -570,7 +572,6 @@ class CudaBackend(Backend):
             except CudaError as exc:
                 errors.append(exc)
             self._pending.clear()
-            self._offload_events.clear()
             self._event_slot.clear()
             self._dead.clear()
             for slot in list(self._slots):
@@ -634,7 +635,25 @@ class CudaBackend(Backend):
         self._cuda("cudaStreamWaitEvent", self._stream, ev, 0)
         self._events.give_back(ev)  # the wait captured the event; it may be re-recorded
 
+    def _pending_source(self, slot: _Slot) -> Optional[torch.Tensor]:
+        """The device bytes of `slot`'s offload while its copy has not completed and no swap
+        deadline has let them go (else None)."""
+        ev = slot.offload_event
+        if ev is None:
+            return None
+        for e, src in self._pending:
+            if e is ev:
+                return src
+        return None
+
     def _prefetch(self, handle: CudaHostHandle, slot: _Slot) -> None:
+        src = self._pending_source(slot)
+        if src is not None:
+            # the offload has not completed, so its source is still on the device: hand those
+            # bytes back rather than allocate a second copy next to them (the CPU backend does too)
+            slot.device = src
+            self.stats["kept_sources"] += 1
+            return
         stream = self._compute_stream()[1]
         tensor = self._torch.empty_strided(handle.shape, handle.stride, handle.dtype)
         slot.alloc_stream = stream
@@ -685,7 +704,8 @@ class CudaBackend(Backend):
                 break  # FIFO: later copies are not done either
             self._cuda.check("cudaEventQuery", (err,))
             self._pending.popleft()
-            key = self._event_slot.pop(id(ev), None)
-            if key is not None and self._offload_events.get(key) is ev:
-                del self._offload_events[key]
+            ref = self._event_slot.pop(id(ev), None)
+            owner = ref() if ref is not None else None
+            if owner is not None and owner.offload_event is ev:
+                owner.offload_event = None
             self._events.give_back(ev)

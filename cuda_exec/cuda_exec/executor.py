@@ -56,20 +56,20 @@ How a step runs (docs/cost-model.md is the contract):
 The lean path (issue 6: the executor was host-bound, ~430-550 us per unit on this CPU)
 ------------------------------------------------------------------------------------------
 The step above (the *full* step) runs the whole ownership analysis: module hooks registered per
-step, a TorchFunctionMode on every torch call, storage/version bookkeeping at every pack. For a
-plan without recomputed units only the owner's action of each saved tensor matters, and that
-is a function of the step's order. So:
+step, a TorchFunctionMode on every torch call, storage/version bookkeeping at every pack. In a
+steady step only the owner's action of each saved tensor matters, and that is a function of the
+step's order; only a recomputed unit's segment needs recording (its replay re-runs it). So:
 
 * **Learn once.** The executor's first step is a full step that also records a table
-  (:class:`_Table`): the sequence of unit-module calls and, per pack of the step in order, the
-  action of its owner (retain / swap) and the first pack of the same storage version (a storage
-  saved several times, or through views, is copied once).
+  (:class:`_Table`): the sequence of unit-module calls and, per pack of the step in order, its
+  owner, what the pack returned (retained, swapped, dropped for a replay) and the first pack of
+  the same storage version (a storage saved several times, or through views, is copied once).
 * **Install once, arm per step.** After that step one forward pre-hook per unit module is
   installed (it holds no reference to the executor; ``close()``, a failed step, or the executor's
   garbage collection remove it). A steady step arms a small frame (:class:`_LeanStep`); outside a
-  step the hooks return at once. There is no TorchFunctionMode (no Python per torch op), and
-  an all-retain plan installs no saved-tensor hooks at all.
-* **Per pack** (swap plans only): a counter, a table lookup, ``return tensor`` if the owner
+  step the hooks return at once. There is no TorchFunctionMode (no Python per torch op) outside
+  recomputed units' segments, and an all-retain plan installs no saved-tensor hooks at all.
+* **Per pack** (only in segments that save a swapped or dropped tensor): a counter, a table lookup, ``return tensor`` if the owner
   retains; for a swap one ``backend.offload`` (one copy and one completion event per storage)
   and a handle; a later pack of the same storage is checked to be that storage version (weak
   storage reference and version counter) and shares the copy.
@@ -84,12 +84,16 @@ is a function of the step's order. So:
   copy's event (``cudaStreamWaitEvent``) and the source is dropped, the host does not block; the
   CPU backend (no streams) waits on the host, counted in ``StepStats.deadline_wait_s`` /
   ``deadline_waits``. The full step uses the same call.
-
-Plans with recomputed units still run the full step every step: a replay needs the recorded
-glue calls and the identity of each input value (retained, swapped or replayed producer), which
-the full tracker provides. Scoping the TorchFunctionMode and the value registry to recompute
-segments (with the first step's table resolving inputs by order) is the next step; until then
-such plans pay the full per-unit overhead on the host.
+* **Recomputed units** (:class:`_ScopedTracker`): from a recomputed unit's start to the end of
+  its segment (the next unit's start, where a run of recomputed units continues it) a tracker is
+  on, as in the full step: the TorchFunctionMode records the segment's glue for its replay, packs
+  are owned and dropped, inputs get their slots. Nothing is tracked elsewhere, so the tracker
+  does not know the tensors made outside those segments: the table says, by order, what each one
+  a tracked segment reads is (its owner and whether it was saved then, or a constant), which
+  held inputs ended protected by a copy (so a later in-place write outside the tracked segments
+  finds them copied), and which packs outside them are values of a recomputed unit (dropped:
+  looked up in the tracker's values). Every tracked pack is checked against the table, and so is
+  the number of outside tensors each tracked segment read.
 """
 
 from __future__ import annotations
@@ -109,8 +113,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import _get_current_function_mode
 
 from .units import (
+    NO_OWNER,
     InputRef,
     PackInfo,
     Segment,
@@ -118,6 +124,7 @@ from .units import (
     UnitTracker,
     ValueRec,
     ViewMeta,
+    _GlueMode,
     discover_units,
     is_replaying,
     model_input_position,
@@ -343,6 +350,7 @@ class _Entry:
         self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         self.host: Any = _QUEUED_LATER
         state.unqueued.append(self)
+        state.swapped[(self.ref.cdata, self.version)] = self
         self.fetched: Optional[torch.Tensor] = None
         self.refs = 0
         self.prefetched = False
@@ -391,6 +399,19 @@ class _Entry:
             self.state.backend.release(host)
         if self.state.entries.get(self.value) is self:
             del self.state.entries[self.value]
+        key = (self.ref.cdata, self.version)
+        if self.state.swapped.get(key) is self:
+            del self.state.swapped[key]
+
+
+def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor) -> _Entry:
+    """A new swap entry of ``owner`` for ``t``'s storage, kept by ``key`` (counted in the stats)."""
+    entry = _Entry(state, owner, key, t)
+    state.entries[key] = entry
+    state.by_unit[owner].append(entry)
+    state.stats.swap_storages += 1
+    state.stats.swap_bytes += entry.nbytes
+    return entry
 
 
 class _InputSlot:
@@ -777,7 +798,10 @@ class _StepState:
         self.swap_deadlines = ex.swap_deadlines
         self.run_start = ex.run_start
         self.stats = StepStats()
-        self.entries: Dict[ValueRec, _Entry] = {}
+        #: swap entries by ValueRec (full steps) or by their first pack (steady steps)
+        self.entries: Dict[Any, _Entry] = {}
+        #: swap entries by (storage, version), whichever step made them
+        self.swapped: Dict[Tuple[int, int], _Entry] = {}
         self.by_unit: Dict[int, List[_Entry]] = defaultdict(list)
         self.runtimes: Dict[int, _UnitRuntime] = {}
         self.direct_slots: Dict[ValueRec, List[_InputSlot]] = defaultdict(list)
@@ -833,6 +857,7 @@ class _StepState:
             for e in lst:
                 e.free()
         self.entries.clear()
+        self.swapped.clear()
         self.by_unit.clear()
         for rt in self.runtimes.values():
             rt.slots.clear()
@@ -921,14 +946,34 @@ class _StepState:
                 e.prefetch()
 
 
+#: what a pack of the step returned, as the table records it
+RETAIN, SWAP, REPLAY_VALUE, REPLAY_SLOT = 0, 1, 2, 3
+
+
+def _act_code(packed: Any) -> int:
+    if isinstance(packed, _SwapHandle):
+        return SWAP
+    if isinstance(packed, _ReplayHandle):
+        return REPLAY_VALUE if packed.slot is None else REPLAY_SLOT
+    return RETAIN
+
+
 class _Table:
-    """What the executor's first (full) step found, by call and pack order: the lean steps' map.
+    """What the executor's first (full) step found, by call and pack order: the steady steps' map.
 
     ``modules[c]``: the unit module of the c-th unit-module call of the forward (nested calls
     included), ``call_unit[c]``: the unit it starts, or -1 for a call inside another unit.
     ``pack_start[u]``: packs made before unit u started. Per pack k of the step: ``acts[k]``
-    (0 retain, 1 swap), ``first[k]`` (the first pack of the same storage version: a swap copies a
-    storage once, however many views or units save it) and ``owner[k]``."""
+    (RETAIN, SWAP, REPLAY_VALUE: dropped, regenerated by its owner's replay as a value of its
+    segment, REPLAY_SLOT: dropped, regenerated as that pack of a replayed segment), ``first[k]``
+    (the first pack of the same storage version: a swap copies a storage once, however many views
+    or units save it) and ``owner[k]`` (its owning unit, -1 for none).
+
+    For recomputed units, whose segments the steady steps track (:class:`_ScopedTracker`):
+    ``inputs[u]``: in order, what each tensor the segment reads that a steady step does not know
+    (produced outside the tracked segments) is: None (a constant) or ``(owner, saved)``;
+    ``protect[u]``: the inputs whose held tensor ended protected by a private copy (written in
+    place later, possibly by code the steady step does not track)."""
 
     def __init__(self) -> None:
         self.modules: List[nn.Module] = []
@@ -938,14 +983,22 @@ class _Table:
         self.first: List[int] = []
         self.owner: List[int] = []
         self.names: List[str] = []
+        self.inputs: Dict[int, List[Optional[Tuple[int, bool]]]] = defaultdict(list)
+        self.protect: Dict[int, Set[int]] = {}
         self._entry_first: Dict[int, int] = {}
+        self._outside_seen: Set[ValueRec] = set()
 
-    def finish(self, names: List[str]) -> "_Table":
+    def finish(self, names: List[str], recompute: List[bool]) -> "_Table":
         self.names = list(names)
         self._entry_first = {}
+        self._outside_seen = set()
+        self.inputs = dict(self.inputs)
         n = len(self.pack_start)
-        #: per unit: its segment makes a swapped pack (the pack hooks are on only there)
-        self.armed = [False] * n
+        #: per unit: its segment is tracked (a recomputed unit)
+        self.recompute = list(recompute[:n])
+        #: per unit: the pack hooks are on in its segment (it makes a pack that is not retained,
+        #: or it is tracked)
+        self.armed = list(self.recompute)
         u = 0
         for k, a in enumerate(self.acts):
             while u + 1 < n and self.pack_start[u + 1] <= k:
@@ -960,7 +1013,7 @@ class _Table:
 
     @property
     def swaps(self) -> int:
-        return sum(self.acts)
+        return self.acts.count(SWAP)
 
 
 class _PlanTracker(UnitTracker):
@@ -988,17 +1041,30 @@ class _PlanTracker(UnitTracker):
         learn = self.learn
         if learn is None or not self._active or self._busy > 0 or is_replaying():
             return super()._pack_hook(t)
+        self._pack_owner_seen = NO_OWNER
         out = super()._pack_hook(t)
         k = len(learn.acts)
-        if isinstance(out, _SwapHandle):
-            learn.acts.append(1)
-            learn.first.append(learn._entry_first.setdefault(id(out.entry), k))
-            learn.owner.append(out.entry.unit)
-        else:
-            learn.acts.append(0)
-            learn.first.append(k)
-            learn.owner.append(-1)
+        code = _act_code(out)
+        learn.acts.append(code)
+        learn.first.append(learn._entry_first.setdefault(id(out.entry), k) if code == SWAP else k)
+        learn.owner.append(self._pack_owner_seen)
         return out
+
+    def _input_value(self, seg: Segment, t: torch.Tensor) -> Optional[ValueRec]:
+        val = self.value_of(t)
+        learn = self.learn
+        if learn is not None and self.state.action(seg.unit) == "recompute":
+            # what a steady step, which tracks only the recomputed units' segments, will not know
+            if val is None:
+                learn.inputs[seg.unit].append(None)
+            elif not self._tracked_owner(val.owner) and val not in learn._outside_seen:
+                learn._outside_seen.add(val)
+                learn.inputs[seg.unit].append((val.owner, val.saved))
+        return val
+
+    def _tracked_owner(self, owner: int) -> bool:
+        """Whether a steady step tracks the segment of ``owner`` (so knows the values it makes)."""
+        return owner >= 0 and self.state.action(owner) == "recompute"
 
     # units --------------------------------------------------------------------------
 
@@ -1018,7 +1084,11 @@ class _PlanTracker(UnitTracker):
         st.stats.units = index + 1
         st.note_dropped_alive(index)
         st.stage_boundary(f"fwd:{index}")
-        if st.action(index) == "recompute":
+        self._keep_replay_state(index)
+
+    def _keep_replay_state(self, index: int) -> None:
+        """At a recomputed unit's start: the grad mode, RNG and autocast states its replay restores."""
+        if self.state.action(index) == "recompute":
             rt = self._runtime_for(self.segments[index])
             assert rt is not None
             rt.grad_enabled = torch.is_grad_enabled()
@@ -1076,8 +1146,9 @@ class _PlanTracker(UnitTracker):
             slot.to_replay(owner_rt)
         elif will_modify:
             slot.protect()
-        elif val.saved and owner_action == "swap" and val in st.entries:
-            slot.to_entry(st.entries[val])
+        elif val.saved and owner_action == "swap" and (
+                entry := st.swapped.get((StorageWeakRef(tensor.untyped_storage()).cdata, tensor._version))) is not None:
+            slot.to_entry(entry)
         else:
             st.direct_slots[val].append(slot)
             if not val.saved and model_input_position(owner) is None:
@@ -1104,6 +1175,7 @@ class _PlanTracker(UnitTracker):
 
     def on_pack(self, tensor: torch.Tensor, info: PackInfo) -> Any:
         st = self.state
+        self._pack_owner_seen = info.owner
         if info.kind != "activation" or info.owner < 0 or info.value is None or info.meta is None:
             return tensor
         owner = info.owner
@@ -1115,13 +1187,7 @@ class _PlanTracker(UnitTracker):
         what = (f"{act} of a saved tensor of unit {owner} ({st.names[owner] if owner < len(st.names) else owner})"
                 if st.verify else "")  # the message of a failed check only
         if act == "swap":
-            entry = st.entries.get(val)
-            if entry is None or entry.host is None:
-                entry = _Entry(st, owner, val, tensor)
-                st.entries[val] = entry
-                st.by_unit[owner].append(entry)
-                st.stats.swap_storages += 1
-                st.stats.swap_bytes += entry.nbytes
+            entry = self._swap_entry(val, tensor, owner)
             handle: _Handle = _SwapHandle(st, entry, info.meta, tensor.device, digest, what)
             self._convert_slots(val, entry, None)
             return handle
@@ -1138,7 +1204,7 @@ class _PlanTracker(UnitTracker):
         if info.in_owner_segment:
             handle = _ReplayHandle(st, rt, info.seg_pack, None, info.meta, tensor.device, digest, what)
         elif val in rt.seg.owned_values:
-            handle = _ReplayHandle(st, rt, None, val, info.meta, tensor.device, digest, what)
+            return self._drop_value(rt, val, tensor, info.meta, digest, what)
         else:
             if not st._warned:
                 st._warned = True
@@ -1154,12 +1220,30 @@ class _PlanTracker(UnitTracker):
         self._convert_slots(val, None, rt)
         return handle
 
+    def _swap_entry(self, val: ValueRec, tensor: torch.Tensor, owner: int) -> _Entry:
+        """The swap entry of a saved value (one copy per storage version)."""
+        st = self.state
+        entry = st.entries.get(val)
+        if entry is None or entry.host is None:
+            entry = _new_entry(st, owner, val, tensor)
+        return entry
+
+    def _drop_value(self, rt: _UnitRuntime, val: ValueRec, tensor: torch.Tensor, meta: ViewMeta,
+                    digest: Optional[str], what: str) -> "_ReplayHandle":
+        """Drop a saved value of recomputed unit ``rt``'s segment: its replay regenerates it."""
+        st = self.state
+        handle = _ReplayHandle(st, rt, None, val, meta, tensor.device, digest, what)
+        st.stats.dropped_tensors += 1
+        st.drop(rt.unit, tensor)
+        self._convert_slots(val, None, rt)
+        return handle
+
     def on_unpack(self, packed: Any) -> torch.Tensor:
         return _unpack_handle(packed)
 
 
 # ------------------------------------------------------------------------------------------
-# The lean path: steady steps of plans without recomputed units
+# The lean path: steady steps
 # ------------------------------------------------------------------------------------------
 
 
@@ -1176,10 +1260,177 @@ def _unpack_handle(packed: Any) -> torch.Tensor:
     return packed
 
 
-class _LeanStep:
-    """One steady step on the lean path: counters, the step's state and the table."""
+def _steady_entry(st: _StepState, tb: _Table, k: int, t: torch.Tensor) -> _Entry:
+    """The swap entry of pack ``k`` of a steady step: new at the first pack of its storage
+    version (as in the executor's first step), shared by the later ones (checked)."""
+    first = tb.first[k]
+    if first == k:
+        return _new_entry(st, tb.owner[k], k, t)
+    entry = st.entries.get(first)
+    if (entry is None or entry.host is None or entry.ref.expired() or entry.version != t._version
+            or entry.ref.cdata != StorageWeakRef(t.untyped_storage()).cdata):
+        raise PlanMismatchError(
+            f"saved tensor {k} of this forward is not the storage version saved as tensor {first}, "
+            "as it was in the executor's first step (data-dependent control flow?)"
+        )
+    return entry
 
-    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work", "post")
+
+class _ScopedTracker(_PlanTracker):
+    """The tracker of a steady step of a plan with recomputed units: on (TorchFunctionMode,
+    segment recording, ownership at every pack) only from a recomputed unit's start to the end of
+    its segment, so the rest of the step runs as the lean path does. What it cannot see (the
+    owners of tensors made outside those segments) comes from the table, by order; what it
+    decides at each pack is checked against the table."""
+
+    def __init__(self, ex: "Executor", state: _StepState, table: _Table) -> None:
+        super().__init__(ex, state)
+        self.table = table
+        self._param_ptrs = {t.untyped_storage().data_ptr() for t in ex._params}
+        self._k = -1  #: the pack being made
+        self._taken: Dict[int, int] = {}  #: recomputed unit -> input decisions taken so far
+
+    # the segments of recomputed units ----------------------------------------------------
+
+    def open(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Unit ``u`` (recomputed) starts: record its inputs, keep its replay state, and track
+        everything up to the end of its segment."""
+        self._busy += 1
+        try:
+            self._open_unit(u, module, args, kwargs)
+        finally:
+            self._busy -= 1
+        if not self._active:
+            self._active = True
+            self._mode = _GlueMode(self)
+            self._mode.__enter__()
+
+    def end_unit(self, module: nn.Module, output: Any) -> None:
+        """The forward hook of a recomputed unit's module: its outputs are values of its segment."""
+        if self._active and self._current is not None and self.segments[self._current].module is module:
+            self._post_hook(module, (), {}, output)
+
+    def close(self, check: bool = True) -> None:
+        """The segment of the last recomputed unit ended (another unit starts, or the forward
+        ends): stop tracking. ``check``: every input the table names was met."""
+        if not self._active:
+            return
+        self._active = False
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            if _get_current_function_mode() is not mode:
+                if not check:
+                    return  # failing already: leave the stack to the code that changed it
+                raise PlanMismatchError(
+                    "a torch function mode (such as `with torch.device(...)`) entered in the glue after a "
+                    "recomputed unit is still open when the next unit starts; close it before the next "
+                    "unit, or do not recompute that unit"
+                )
+            mode.__exit__(None, None, None)
+        self._frames.clear()
+        self._current = None
+        self._depth = 0
+        if check:
+            for u, taken in self._taken.items():
+                if taken != len(self.table.inputs.get(u, ())):
+                    raise PlanMismatchError(
+                        f"unit {u} ({self.table.names[u]}) read {taken} tensors made outside recomputed "
+                        f"segments, {len(self.table.inputs.get(u, ()))} in the executor's first step "
+                        "(data-dependent control flow?)"
+                    )
+            self._taken.clear()
+
+    # what the tracker cannot see, from the table ----------------------------------------------
+
+    def _input_value(self, seg: Segment, t: torch.Tensor) -> Optional[ValueRec]:
+        val = self.value_of(t)
+        if val is not None:
+            return val
+        u = seg.unit
+        i = self._taken.get(u, 0)
+        known = self.table.inputs.get(u, ())
+        if i >= len(known):
+            raise PlanMismatchError(
+                f"unit {u} ({self.table.names[u]}) read more tensors made outside recomputed segments "
+                "than in the executor's first step (data-dependent control flow?)"
+            )
+        self._taken[u] = i + 1
+        d = known[i]
+        if d is None:
+            return None  # a constant in the first step too
+        owner, saved = d
+        val, _new = self._register(t, owner)
+        val.saved = saved
+        return val
+
+    def on_input(self, segment: Segment, ref: InputRef, tensor: torch.Tensor, will_modify: bool) -> None:
+        super().on_input(segment, ref, tensor, will_modify)
+        slot = ref.slot
+        if (isinstance(slot, _InputSlot) and slot.kind == "tensor" and not slot.protected
+                and len(segment.inputs) - 1 in self.table.protect.get(segment.unit, ())):
+            # written in place later in the first step (maybe by code this step does not track):
+            # copy it now
+            slot.protect()
+            lst = self.state.direct_slots.get(ref.value)
+            if lst and slot in lst:
+                lst.remove(slot)
+
+    def _pack_owner(self, reader: int) -> int:
+        return self.table.owner[self._k]
+
+    def _swap_entry(self, val: ValueRec, tensor: torch.Tensor, owner: int) -> _Entry:
+        return _steady_entry(self.state, self.table, self._k, tensor)
+
+    def on_unit_start(self, index: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self._keep_replay_state(index)  # the stage boundary and its checks are the lean step's
+
+    def on_segment_value(self, segment: Segment, index: int, tensor: torch.Tensor) -> None:
+        pass  # prefetch stages are hooked by the lean step
+
+    # packs ---------------------------------------------------------------------------------
+
+    def pack_at(self, k: int, t: torch.Tensor) -> Any:
+        """Pack ``k`` of the step, made in a tracked segment."""
+        self._k = k
+        out = self._pack_hook(t)
+        if _act_code(out) != self.table.acts[k]:
+            raise PlanMismatchError(
+                f"saved tensor {k} of this forward is not handled as in the executor's first step "
+                "(data-dependent control flow?)"
+            )
+        return out
+
+    def drop_at(self, k: int, t: torch.Tensor) -> Any:
+        """Pack ``k``, made outside the tracked segments, of a value a recomputed unit's segment
+        made: dropped, its owner's replay regenerates it."""
+        owner = self.table.owner[k]
+        val = self.value_of(t)
+        rt = self.state.runtimes.get(owner)
+        if val is None or rt is None or val not in rt.seg.owned_values:
+            raise PlanMismatchError(
+                f"saved tensor {k} of this forward is not a value of unit {owner} "
+                f"({self.table.names[owner]}), as it was in the executor's first step (data-dependent control flow?)"
+            )
+        val.saved = True
+        digest = checksum(t) if self.state.verify else None
+        what = f"recompute of a saved tensor of unit {owner} ({self.table.names[owner]})" if self.state.verify else ""
+        return self._drop_value(rt, val, t, ViewMeta.of(t), digest, what)
+
+    def swapped_outside(self, entry: _Entry, t: torch.Tensor) -> None:
+        """A storage swapped outside the tracked segments: recomputed units that hold it as an
+        input get it from the host copy instead (and so do those that read it later)."""
+        val = self.value_of(t)
+        if val is not None:
+            val.saved = True
+            self._convert_slots(val, entry, None)
+
+
+class _LeanStep:
+    """One steady step: counters, the step's state and the table (and, for a plan with
+    recomputed units, the tracker of their segments)."""
+
+    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work", "post", "tracker",
+                 "scoped")
 
     def __init__(self, ex: "Executor", state: _StepState, table: _Table, work: List[bool]) -> None:
         self.ex = ex
@@ -1192,9 +1443,11 @@ class _LeanStep:
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
         self.work = work  #: per unit: boundary work to do at its start
         self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
+        self.tracker = _ScopedTracker(ex, state, table) if any(table.recompute) else None
+        self.scoped = False  #: a recomputed unit's segment runs (the tracker is on)
 
     # the forward pre-hook of every unit module (installed once, see Executor._install)
-    def unit_start(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+    def unit_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         c = self.calls
         t = self.t
         if c >= len(t.modules) or t.modules[c] is not module:
@@ -1203,17 +1456,38 @@ class _LeanStep:
         u = t.call_unit[c]
         if u < 0:
             return
+        if self.scoped and not t.recompute[u]:
+            self.scoped = False
+            self.tracker.close()  # type: ignore[union-attr]
         if self.armed:
             self.disarm(t.pack_start[u])
+        if self.scoped:
+            # the tracker stays on (recomputed units in a row): the executor's own torch calls
+            # below are not glue
+            tr = self.tracker
+            tr._busy += 1  # type: ignore[union-attr]
+            try:
+                self._start(u, module, args, kwargs)
+            finally:
+                tr._busy -= 1  # type: ignore[union-attr]
+        else:
+            self._start(u, module, args, kwargs)
+
+    def _start(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        t = self.t
         if t.armed[u]:
-            # the saved-tensor hooks are pushed only for segments that save a swapped tensor:
-            # packs elsewhere cost nothing (TE's offload context per layer does the same)
+            # the saved-tensor hooks are pushed only for segments that save a swapped or dropped
+            # tensor, or are tracked: packs elsewhere cost nothing (TE's offload context per layer
+            # does the same)
             self.packs = t.pack_start[u]
             self.limit = t.seg_end(u)
             self.hooks.__enter__()
             self.armed = True
         if self.work[u]:
             self.boundary(u, args)
+        if t.recompute[u]:
+            self.scoped = True
+            self.tracker.open(u, module, args, kwargs)  # type: ignore[union-attr]
 
     def disarm(self, expected: Optional[int]) -> None:
         """Pop the saved-tensor hooks at the end of an armed segment; check its pack count
@@ -1225,6 +1499,14 @@ class _LeanStep:
                 f"a segment that ended at pack {expected} in the executor's first step ended at "
                 f"pack {self.packs} in this forward (data-dependent control flow?)"
             )
+
+    def unwind(self) -> None:
+        """The step failed: pop what is pushed, without checks."""
+        if self.scoped:
+            self.scoped = False
+            self.tracker.close(check=False)  # type: ignore[union-attr]
+        if self.armed:
+            self.disarm(None)
 
     def boundary(self, u: int, args: Tuple[Any, ...]) -> None:
         st = self.state
@@ -1244,8 +1526,20 @@ class _LeanStep:
             if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
                 a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
 
-    # the forward hook of the unit modules of prefetch stages
+    # the forward hook of the unit modules of prefetch stages and recomputed units
     def unit_end(self, module: nn.Module, output: Any) -> None:
+        if self.scoped:
+            tr = self.tracker
+            tr.end_unit(module, output)  # type: ignore[union-attr]
+            tr._busy += 1  # type: ignore[union-attr]
+            try:
+                self._end(module, output)
+            finally:
+                tr._busy -= 1  # type: ignore[union-attr]
+        else:
+            self._end(module, output)
+
+    def _end(self, module: nn.Module, output: Any) -> None:
         post = self.post
         if post is not None and post[1] is module:
             self.post = None
@@ -1261,7 +1555,7 @@ class _LeanStep:
             f"{want!r} (data-dependent control flow or a different model)"
         )
 
-    # the saved-tensor pack hook (only when the plan swaps something)
+    # the saved-tensor pack hook (only in armed segments)
     def pack(self, t: torch.Tensor) -> Any:
         k = self.packs
         self.packs = k + 1
@@ -1271,33 +1565,28 @@ class _LeanStep:
                 f"a segment saved more tensors than in the executor's first step ({self.limit} packs "
                 "up to its end; data-dependent control flow?)"
             )
-        if tb.acts[k] == 0:
+        if self.scoped:
+            return self.tracker.pack_at(k, t)  # type: ignore[union-attr]
+        a = tb.acts[k]
+        if a == RETAIN:
             return t
-        return self._swap(k, t)
+        if a == SWAP:
+            return self._swap(k, t)
+        if a == REPLAY_VALUE and self.tracker is not None:
+            return self.tracker.drop_at(k, t)
+        raise PlanMismatchError(f"saved tensor {k} of this forward was made outside the segment that made it "
+                                "in the executor's first step (data-dependent control flow?)")
 
     def _swap(self, k: int, t: torch.Tensor) -> Any:
         st = self.state
         tb = self.t
-        first = tb.first[k]
-        owner = tb.owner[k]
-        if first == k:
-            entry = _Entry(st, owner, k, t)
-            st.entries[k] = entry
-            st.by_unit[owner].append(entry)
-            st.stats.swap_storages += 1
-            st.stats.swap_bytes += entry.nbytes
-        else:
-            entry = st.entries.get(first)  # type: ignore[assignment]
-            if (entry is None or entry.host is None or entry.ref.expired() or entry.version != t._version
-                    or entry.ref.cdata != StorageWeakRef(t.untyped_storage()).cdata):
-                raise PlanMismatchError(
-                    f"saved tensor {k} of this forward is not the storage version saved as tensor {first}, "
-                    "as it was in the executor's first step (data-dependent control flow?)"
-                )
+        entry = _steady_entry(st, tb, k, t)
+        if self.tracker is not None:
+            self.tracker.swapped_outside(entry, t)
         digest = what = None
         if st.verify:
             digest = checksum(t)
-            what = f"swap of a saved tensor of unit {owner} ({tb.names[owner]})"
+            what = f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})"
         return _SwapHandle(st, entry, ViewMeta.of(t), t.device, digest, what or "")
 
     def finish(self, out: Any) -> None:
@@ -1306,11 +1595,19 @@ class _LeanStep:
             raise PlanMismatchError(
                 f"the model ran {self.calls} unit-module calls, {len(tb.modules)} in the executor's first step"
             )
+        if self.scoped:
+            self.scoped = False
+            self.tracker.close()  # type: ignore[union-attr]
         if self.armed:
             self.disarm(len(tb.acts))
         st = self.state
         st.stats.units = len(tb.pack_start)
         st.forward_done(len(tb.pack_start))
+        st.dropped = {}
+        for rt in st.runtimes.values():
+            rt.forward_done = True
+        for rt in list(st.runtimes.values()):
+            rt._maybe_release()
         last = len(tb.pack_start) - 1
         prefetch_last = bool(tb.swaps) and last in st.prefetch_at
         # one hook per output and step: the backward of this step starts here
@@ -1375,8 +1672,8 @@ class Executor:
         self.last_stats: Optional[StepStats] = None
         self._states: "weakref.WeakSet[_StepState]" = weakref.WeakSet()
         _EXECUTORS.setdefault(model, weakref.WeakSet()).add(self)
-        #: plans without recomputed units run the lean path after the first step
-        self.lean = "recompute" not in self.actions
+        #: after its first step, the executor runs the lean path (False: every step is a full step)
+        self.lean = True
         self._table: Optional[_Table] = None
         self._work: List[bool] = []
         self._cell: List[Optional[_LeanStep]] = [None]  # the armed step, read by the unit hooks
@@ -1418,31 +1715,36 @@ class Executor:
             state.dropped = {}
             for rt in state.runtimes.values():
                 rt.forward_done = True
+                if learn is not None:
+                    learn.protect[rt.unit] = {i for i, ref in enumerate(rt.seg.inputs)
+                                              if isinstance(ref.slot, _InputSlot) and ref.slot.protected}
             for rt in list(state.runtimes.values()):
                 rt._maybe_release()
         except BaseException:
             state.abort()
             raise
         if learn is not None:
-            self._arm_lean(learn.finish(state.names))
+            self._arm_lean(learn.finish(state.names, [a == "recompute" for a in self.actions]))
         return out
 
     # ------------------------------------------------------------------ the lean path
 
     def _arm_lean(self, table: _Table) -> None:
-        """After a full step of a plan without recomputed units: keep its table, precompute the
-        boundary work per unit and install the unit hooks (once; removed by close() or a failed
-        step)."""
+        """After the first (full) step: keep its table, precompute the boundary work per unit and
+        install the unit hooks (once; removed by close() or a failed step)."""
         n = len(table.pack_start)
         fwd_deadline = {int(label[4:]) for label in self.swap_deadlines if label.startswith("fwd:")}
         first_swap = n
         for k, a in enumerate(table.acts):
-            if a:
+            if a == SWAP:
                 first_swap = max(u for u in range(n) if table.pack_start[u] <= k)
                 break
         self._work = [u in fwd_deadline or u in self.prefetch_at or (u - 1) in self.prefetch_at or u > first_swap
                       for u in range(n)]
         self._table = table
+        #: what the steady steps' tracker counts as parameters (their storages, read per step)
+        self._params = [t for t in list(self.model.parameters()) + list(self.model.buffers())
+                        if t.layout == torch.strided and t.device.type != "meta"]
         self._install()
 
     def _install(self) -> None:
@@ -1450,10 +1752,10 @@ class Executor:
             return
         cell = self._cell
 
-        def unit_pre_hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
+        def unit_pre_hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             step = cell[0]
             if step is not None:
-                step.unit_start(module, args)
+                step.unit_start(module, args, kwargs)
 
         def unit_post_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             step = cell[0]
@@ -1462,10 +1764,11 @@ class Executor:
 
         table = self._table
         assert table is not None
-        post = {id(table.modules[c]) for c, u in enumerate(table.call_unit) if u in self.prefetch_at}
+        post = {id(table.modules[c]) for c, u in enumerate(table.call_unit)
+                if u in self.prefetch_at or (u >= 0 and table.recompute[u])}
         for module in self.unit_modules:
-            self._hooks.append(module.register_forward_pre_hook(unit_pre_hook))
-            if id(module) in post:  # modules of prefetch stages' units
+            self._hooks.append(module.register_forward_pre_hook(unit_pre_hook, with_kwargs=True))
+            if id(module) in post:  # modules of prefetch stages' and recomputed units
                 self._hooks.append(module.register_forward_hook(unit_post_hook))
         # the hooks hold no reference to the executor; if it is dropped without close(), they go
         self._hooks_finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
@@ -1493,8 +1796,7 @@ class Executor:
             step.finish(out)
         except BaseException:
             self._cell[0] = None
-            if step.armed:
-                step.disarm(None)
+            step.unwind()
             # a failed step leaves nothing behind; the next one starts with a full step
             state.abort()
             self._uninstall()
@@ -1540,10 +1842,10 @@ class PlannedModule(nn.Module):
     ``units``: the coarse unit choice the plan was made with (see units.discover_units).
     ``verify``: checksum every moved or dropped tensor (default: ``TENSORPLACE_VERIFY``).
 
-    For a plan without recomputed units, after the first training step one forward pre-hook
-    stays on every unit module (a no-op outside this module's steps; a forward hook too on the
-    units of prefetch stages); :meth:`close` removes them, and so does a failed step or dropping
-    this module.
+    After the first training step one forward pre-hook stays on every unit module (a no-op
+    outside this module's steps; a forward hook too on the units of prefetch stages and
+    recomputed units); :meth:`close` removes them, and so does a failed step or dropping this
+    module.
     """
 
     def __init__(

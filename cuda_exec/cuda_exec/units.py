@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import defaultdict
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
@@ -449,11 +450,11 @@ class UnitTracker:
         self._seg_ids: Dict[int, Tuple[Any, int]] = {}
         self._frames: List[Tuple[int, List[Tuple[torch.Tensor, int, Optional[int]]]]] = []
         # per unit accounting
-        self._out_values: List[List[ValueRec]] = []
-        self._inplace: List[bool] = []
-        self._act: List[Dict[int, int]] = []
-        self._owned_packs: List[int] = []
-        self._readers: List[Set[int]] = []
+        self._out_values: Dict[int, List[ValueRec]] = defaultdict(list)
+        self._inplace: Dict[int, bool] = defaultdict(bool)
+        self._act: Dict[int, Dict[int, int]] = defaultdict(dict)
+        self._owned_packs: Dict[int, int] = defaultdict(int)
+        self._readers: Dict[int, Set[int]] = defaultdict(set)
 
     # ---------------------------------------------------------------- context management
 
@@ -619,6 +620,10 @@ class UnitTracker:
             return hit[1]
         return None
 
+    def _input_value(self, seg: Segment, t: torch.Tensor) -> Optional[ValueRec]:
+        """The value of a tensor ``seg`` reads (None: unknown to this step, a constant)."""
+        return self.value_of(t)
+
     def _input_leaf(
         self, seg: Segment, t: torch.Tensor, seen: Dict[int, int], will_modify: bool
     ) -> Tuple[str, Any]:
@@ -627,7 +632,7 @@ class UnitTracker:
             return ("const", t)
         if id(t) in seen:
             return ("in", seen[id(t)])
-        val = self.value_of(t)
+        val = self._input_value(seg, t)
         if val is None or val.owner == seg.unit:
             return ("const", t)  # unknown to this step: a constant (module attribute, global)
         ref = InputRef(val, ViewMeta.of(t), t.device)
@@ -665,42 +670,46 @@ class UnitTracker:
             return
         self._busy += 1
         try:
-            index = len(self.segments)
-            call = self._calls.get(module, 0)
-            self._calls[module] = call + 1
-            qual = self.unit_modules[module]
-            name = qual if call == 0 else f"{qual}#{call}"
-            rec = UnitRecord(index=index, name=name, module_name=qual, kind=unit_kind(module), call=call)
-            self.records.append(rec)
-            seg = Segment(unit=index, module=module)
-            self.segments.append(seg)
-            self._out_values.append([])
-            self._inplace.append(False)
-            self._act.append({})
-            self._owned_packs.append(0)
-            self._readers.append(set())
-            self._seg_ids = {}
-            # modules with ``inplace=True`` (ReLU, Dropout, ...) write into their first input
-            writes_first = bool(getattr(module, "inplace", False))
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            seen: Dict[int, int] = {}
-            arg_leaves: List[Tuple[str, Any]] = []
-            tensors: List[Tuple[torch.Tensor, int, Optional[int]]] = []
-            for leaf in leaves:
-                if isinstance(leaf, torch.Tensor):
-                    ref = self._input_leaf(seg, leaf, seen, writes_first and not tensors)
-                    arg_leaves.append(ref)
-                    tensors.append((leaf, leaf._version, ref[1] if ref[0] == "in" else None))
-                else:
-                    arg_leaves.append(("lit", leaf))
-            if self.keep_replay_info:
-                seg.arg_leaves, seg.arg_spec = arg_leaves, spec
-            self._frames.append((index, tensors))
-            self._current = index
-            self._depth = 1
-            self.on_unit_start(index, module, args, kwargs)
+            self._open_unit(len(self.segments), module, args, kwargs)
         finally:
             self._busy -= 1
+
+    def _open_unit(self, index: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Start unit ``index`` (its module is about to run with ``args``/``kwargs``): record its
+        inputs and open its segment. A tracker that sees only some units (the executor's steady
+        steps) leaves None in the places of the units it did not see."""
+        call = self._calls.get(module, 0)
+        self._calls[module] = call + 1
+        qual = self.unit_modules[module]
+        name = qual if call == 0 else f"{qual}#{call}"
+        rec = UnitRecord(index=index, name=name, module_name=qual, kind=unit_kind(module), call=call)
+        seg = Segment(unit=index, module=module)
+        if len(self.segments) < index:
+            gap = [None] * (index - len(self.segments))
+            self.records.extend(gap)  # type: ignore[arg-type]
+            self.segments.extend(gap)  # type: ignore[arg-type]
+        self.records.append(rec)
+        self.segments.append(seg)
+        self._seg_ids = {}
+        # modules with ``inplace=True`` (ReLU, Dropout, ...) write into their first input
+        writes_first = bool(getattr(module, "inplace", False))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        seen: Dict[int, int] = {}
+        arg_leaves: List[Tuple[str, Any]] = []
+        tensors: List[Tuple[torch.Tensor, int, Optional[int]]] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                ref = self._input_leaf(seg, leaf, seen, writes_first and not tensors)
+                arg_leaves.append(ref)
+                tensors.append((leaf, leaf._version, ref[1] if ref[0] == "in" else None))
+            else:
+                arg_leaves.append(("lit", leaf))
+        if self.keep_replay_info:
+            seg.arg_leaves, seg.arg_spec = arg_leaves, spec
+        self._frames.append((index, tensors))
+        self._current = index
+        self._depth = 1
+        self.on_unit_start(index, module, args, kwargs)
 
     def _post_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
         if not self._active or is_replaying():
@@ -801,6 +810,10 @@ class UnitTracker:
         finally:
             self._busy -= 1
 
+    def _pack_owner(self, reader: int) -> int:
+        """The owner of a saved tensor never seen before: the unit whose segment saves it."""
+        return reader
+
     def _pack_hook(self, t: torch.Tensor) -> Any:
         if not self._active or self._busy > 0 or is_replaying():
             return t
@@ -821,7 +834,7 @@ class UnitTracker:
                 if seg is not None:
                     seg.packs.append((False, None))
                 return self.on_pack(t, info)
-            val, _new = self._register(t, reader)
+            val, _new = self._register(t, self._pack_owner(reader))
             owner = val.owner
             meta = ViewMeta.of(t)
             info = PackInfo(
