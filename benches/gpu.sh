@@ -29,6 +29,9 @@ step timeline-resnet50 timeline --plan "$OUT/resnet50-b128.plan.json" --png "$OU
 step demo-resnet50 demo --model resnet50 --batch 128 --image 224 --classes 1000 --fraction 0.5
 step demo-gpt12 demo --model gpt12 --batch 16 --seq 1024 --fraction 0.5
 step accuracy-resnet50 accuracy --model resnet50 --batch 128 --image 224 --classes 1000 --fractions 0.3 0.5
+# The peers table: checkpoint recipes and save_on_cpu against plans at their memory, measured.
+step peers-resnet18 peers --model resnet18 --batch 64 --image 224 --classes 1000
+step peers-gpt12 peers --model gpt12 --batch 8 --seq 1024
 # Largest batch per method in $MEMORY (measured at the limit: last).
 step maxbatch-resnet18 maxbatch --model resnet18 --image 224 --classes 1000 --memory "$MEMORY" --probe-batches 32 64
 step maxbatch-gpt12 maxbatch --model gpt12 --seq 1024 --memory "$MEMORY" --probe-batches 2 4

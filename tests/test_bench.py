@@ -117,6 +117,40 @@ def test_timeline_draws_streams_and_memory(capsys, tmp_path):
     assert sum(r["end"] - r["start"] for r in planned["replays"]) == pytest.approx(planned["recompute"])
 
 
+def test_timeline_plays_the_plans_own_segments_and_reserved_peak(tmp_path, capsys):
+    """sqrt's checkpoint segments are not the profile's blocks (evaluate's default): the timeline
+    plays the plan as planned, within its budget, and gives the simulated reserved peak."""
+    prof = examples.profile("plain20", batch_size=8)
+    lb, up = tp.lower_bound(prof), tp.unplanned_peak(prof)
+    budget = int(lb + 0.6 * (up - lb))
+    p = tp.plan_profile(prof, budget, "sqrt")
+    assert p.segment_starts != tp.evaluate(prof, p.actions, budget)["segment_starts"]  # else this test shows nothing
+    png = tmp_path / "t.png"
+    data = run_json(tmp_path, ["timeline", "--model", "plain20", "--batch", "8", "--method", "sqrt",
+                               "--fraction", "0.6", "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["budget_bytes"] == budget and data["method"] == "sqrt"
+    assert data["planned"]["segment_starts"] == p.segment_starts
+    assert data["planned"]["peak_bytes"] == p.predicted["peak_bytes"] <= budget
+    assert data["planned"]["step_time"] == pytest.approx(p.predicted["step_time"])
+    assert data["reserved_peak_bytes"] == p.predicted["reserved_bytes"] >= data["planned"]["peak_bytes"]
+    assert "reserved " in capsys.readouterr().out
+    # the same plan saved and drawn with --plan
+    p.save(tmp_path / "sqrt.json")
+    tp.save_profile(prof, tmp_path / "prof.json")
+    drawn = ["timeline", "--plan", str(tmp_path / "sqrt.json"), "--profile", str(tmp_path / "prof.json")]
+    saved = run_json(tmp_path, drawn)
+    assert saved["planned"]["segment_starts"] == p.segment_starts
+    assert saved["planned"]["peak_bytes"] == p.predicted["peak_bytes"]
+    # allocator settings the simulation does not model: the timeline without the reserved figure
+    capsys.readouterr()
+    prof.setdefault("environment", {}).setdefault("variables", {})["PYTORCH_CUDA_ALLOC_CONF"] = "gpu_magic:1"
+    tp.save_profile(prof, tmp_path / "prof.json")
+    odd = run_json(tmp_path, drawn)
+    assert odd["reserved_peak_bytes"] is None and odd["planned"]["peak_bytes"] == p.predicted["peak_bytes"]
+    assert "no reserved-memory figure" in capsys.readouterr().out
+
+
 def test_timeline_of_a_saved_plan(tmp_path, capsys):
     prof = examples.profile("plain20", batch_size=4)
     path = tmp_path / "prof.json"
@@ -135,6 +169,32 @@ def test_models_lists_the_zoo(tmp_path):
     data = run_json(tmp_path, ["models"])
     for name in ("gpt", "tinygpt", "inception", "resnet18", "vit_b_16"):
         assert name in data["models"]
+    # tensorplace.zoo's models by their names; where torchvision has the name too, as zoo.NAME
+    for name in ("unet", "lstm", "transformer_encoder", "zoo.mobilenet_v2", "zoo.efficientnet_b0"):
+        assert "tensorplace.zoo" in data["models"][name], name
+    assert data["models"]["mobilenet_v2"].startswith("torchvision.models.mobilenet_v2")
+
+
+def test_zoo_models_by_name_and_torchvision_keeps_its_names(tmp_path):
+    from tensorplace import zoo
+
+    # a bare torchvision name is torchvision's model, sized by --image and --classes ...
+    rm = common.build_model("mobilenet_v2", 2, image=48, classes=7)
+    assert tuple(rm.inputs[0].shape) == (2, 3, 48, 48) and rm.model.classifier[-1].out_features == 7
+    # ... and tensorplace.zoo's model of that name is zoo.NAME: the same weights and inputs as zoo.build
+    for spec, name in (("zoo.mobilenet_v2", "mobilenet_v2"), ("unet", "unet"), ("zoo.unet", "unet")):
+        rm = common.build_model(spec, 3)
+        model, inputs, _ = zoo.build(name, batch=3)
+        assert [tuple(t.shape) for t in rm.inputs] == [tuple(t.shape) for t in inputs], spec
+        assert all(torch.equal(a, b) for a, b in zip(rm.model.state_dict().values(), model.state_dict().values())), spec
+    with pytest.raises(SystemExit, match="unknown model 'zoo.nope'"):
+        common.build_model("zoo.nope", 2)
+    # end to end: a zoo model profiled by the CLI
+    data = run_json(tmp_path, ["profile", "--model", "unet", "--batch", "2", "--repeats", "1",
+                               "-o", str(tmp_path / "u.json")])
+    assert data["model"] == "unet" and data["inputs"] == "(2, 3, 32, 32)"
+    prof = tp.load_profile(tmp_path / "u.json")
+    assert data["units"] == len(prof["units"]) > 5 and prof["batch_size"] == 2
 
 
 @pytest.mark.slow
@@ -171,12 +231,16 @@ def test_profile_then_plan_in_other_processes_gives_plan_profiles_plan(tmp_path)
     prof = tp.load_profile(tmp_path / "p.json")
     assert prof["measured"]["peak_bytes"] == json.loads((tmp_path / "pj.json").read_text())["measured"]["peak_bytes"]
     budget = (tp.lower_bound(prof) + tp.unplanned_peak(prof)) // 2
-    r = _cli("plan", "p.json", "--budget", str(budget), "--seed", "3", *SEARCH, "-o", "plan.json", cwd=tmp_path)
+    r = _cli("plan", "p.json", "--budget", str(budget), "--seed", "3", *SEARCH, "-o", "plan.json", "--json", "planj.json",
+             cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "plan saved to plan.json" in r.stdout
     saved = tp.Plan.load(tmp_path / "plan.json")
     here = tp.plan_profile(prof, budget, seed=3, iterations=5, particles=10)
     assert saved.actions == here.actions and saved.prefetch == here.prefetch and saved.predicted == here.predicted
+    assert saved.segment_starts == here.segment_starts and saved.method == here.method == "pso"
+    figures = json.loads((tmp_path / "planj.json").read_text())
+    assert figures["exit_code"] == 0 and figures["actions"] == here.actions and figures["predicted"] == here.predicted
     assert saved.to_dict()["profile"] == prof and saved.model_fingerprint == prof["model_fingerprint"]
     # ... and run() uses it on the model it was profiled for, and refuses another one
     rm = common.build_model("tinygpt", 4, seq=16)
@@ -186,6 +250,28 @@ def test_profile_then_plan_in_other_processes_gives_plan_profiles_plan(tmp_path)
     assert all(p.grad is not None for p in rm.model.parameters())
     with pytest.raises(tp.PlannerError, match="another model"):
         tp.run(common.build_model("gpt", 4, seq=16).model, str(tmp_path / "plan.json"))
+
+
+@pytest.mark.slow
+def test_peers_measures_the_recipes_and_the_plans(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps the row names at 80 columns otherwise
+    data = run_json(tmp_path, ["peers", *TINY, "--batch", "4", "--particles", "10", "--iterations", "5"])
+    out = capsys.readouterr().out
+    assert data["device"] == common.where() and data["torch_device"] == "cpu" and data["link_gbps"] is None
+    rows = {r["name"]: r for r in data["rows"]}
+    for name in ("unplanned", "checkpoint per block", "checkpoint sqrt(n)", "save_on_cpu",
+                 "tensorplace checkpoint-blocks", "tensorplace at checkpoint per block"):
+        assert name in rows and name in out, name
+    base = rows["unplanned"]
+    assert base["peak_ratio"] == base["time_ratio"] == 1.0
+    assert rows["checkpoint per block"]["peak_bytes"] < base["peak_bytes"]
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["bitwise"] is True, r["name"]
+        assert r["peak_ratio"] == pytest.approx(r["peak_bytes"] / base["peak_bytes"])
+    at = rows["tensorplace at checkpoint per block"]
+    assert at["budget"] == rows["checkpoint per block"]["peak_bytes"] and at["peak_bytes"] <= at["budget"]
+    assert rich_rows(out)["checkpoint per block"][0] == tp.format_bytes(rows["checkpoint per block"]["peak_bytes"])
 
 
 def test_plan_refuses_an_impossible_budget(tmp_path, capsys):
@@ -221,7 +307,10 @@ def test_model_by_import_path(tmp_path, monkeypatch, capsys):
     (["demo", "--fraction", "1.5"], "strictly between 0 and 1"),
     (["demo", "--batch", "0"], "whole number >= 1"),
     (["maxbatch", "--model", "tinygpt"], "--memory"),
-    (["compare", "--model", "resnet18"], "invalid choice: 'resnet18'"),
+    (["compare", "--model", "resnet18"], "'resnet18' is a real model: profile it first"),
+    (["timeline", "--model", "no_such_profile"], "'no_such_profile' is not a builtin profile (choose from vgg16"),
+    (["peers", "--model", "tinygpt", "--budget", "lots"], "cannot read budget 'lots'"),
+    (["peers", "--model", "tinygpt", "--repeats", "0"], "whole number >= 1"),
     (["profile", "--model", "tinygpt", "--input-shape", "3xa", "-o", "x"], "dimensions like 3x64x64"),
 ])
 def test_argument_errors_say_what_is_wrong(args, message, capsys):
@@ -237,9 +326,14 @@ def test_argument_errors_say_what_is_wrong(args, message, capsys):
     (["profile", "--model", "tensorplace.models:Nope", "-o", "x"], "has no attribute 'Nope'"),
     (["plan", "missing.json", "--budget", "1GiB"], "no such file"),
     (["maxbatch", *TINY, "--memory", "1GiB", "--probe-batches", "4", "4"], "two different batch sizes"),
+    (["allocator", "missing.json"], "trace 'missing.json': no such file"),
+    (["allocator", "notes.txt"], "trace 'notes.txt' is not a JSON allocator trace"),
+    (["allocator", "profile.json"], "cuda-caching-allocator-trace"),
 ])
 def test_usage_errors_say_how_to_fix(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("not json")
+    tp.save_profile(examples.profile("plain20", batch_size=1), tmp_path / "profile.json")
     with pytest.raises(SystemExit) as e:
         main(args)
     assert message in str(e.value.code)

@@ -153,9 +153,17 @@ def cmd_allocator(a: argparse.Namespace) -> int:
     rows: List[List[Any]] = []
     results: List[Dict[str, Any]] = []
     for path in a.traces:
-        with open(path) as f:
-            trace = json.load(f)
-        r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity, trace_layout=not a.no_trace_layout)
+        try:
+            with open(path) as f:
+                trace = json.load(f)
+        except FileNotFoundError:
+            raise SystemExit(f"allocator: trace {path!r}: no such file") from None
+        except (OSError, ValueError) as e:  # ValueError: not JSON (json.JSONDecodeError), not text
+            raise SystemExit(f"allocator: trace {path!r} is not a JSON allocator trace: {e}") from None
+        try:
+            r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity, trace_layout=not a.no_trace_layout)
+        except AllocatorError as e:
+            raise SystemExit(f"allocator: trace {path!r}: {e}") from None
         rec = r["recorded"]
         rows.append([
             os.path.basename(path).removesuffix(".json") + (f' ({r["alloc_conf"]})' if r["alloc_conf"] else ""),

@@ -247,24 +247,25 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
             write_json: Callable[[Any, Any], None]) -> None:
     """Register ``tensorplace-bench peers``: ``model_args(parser)`` adds the model options,
     ``load_model(args)`` returns (model, input, loss_fn), ``write_json(args, data)`` honours ``--json``."""
+    from .bench.common import budget as budget_arg, positive_int
+
     p = subparsers.add_parser("peers", help="measure tensorplace against checkpointing recipes and save_on_cpu")
     model_args(p)
-    p.add_argument("--budget", action="append", default=[], help="extra tensorplace budget (repeatable), e.g. 200MiB")
+    p.add_argument("--budget", action="append", default=[], type=budget_arg,
+                   help="extra tensorplace budget (repeatable), e.g. 200MiB")
     p.add_argument("--link", type=float, default=None, metavar="GB/s",
                    help="cap the CPU backend's host copies at this bandwidth (a GPU-like copy/compute ratio)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per row (median)")
-    p.add_argument("--particles", type=int, default=100)
-    p.add_argument("--iterations", type=int, default=50)
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps per row (median)")
+    p.add_argument("--particles", type=positive_int, default=100)
+    p.add_argument("--iterations", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
 
     def run(a: Any) -> int:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        from .budget import parse_budget
-
         if a.link is not None and a.link <= 0:
             raise SystemExit(f"--link must be a positive bandwidth in GB/s, got {a.link}")
-        budgets = [parse_budget(b) for b in a.budget]
+        budgets = list(a.budget)  # bytes (parsed by the argument's type)
         model, x, loss_fn = load_model(a)
         backend = None
         device = next(model.parameters()).device
@@ -274,13 +275,15 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
             from cuda_exec.cpu_backend import CpuBackend
 
             backend = CpuBackend(bandwidth_cap=a.link * 1e9)
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
-            task = bar.add_task("peers", total=None)
-            rows = compare_peers(model, x, loss_fn, budgets=budgets, backend=backend, repeats=a.repeats,
-                                 search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed},
-                                 progress=lambda msg: bar.update(task, description=msg))
-        if backend is not None:
-            backend.close()
+        try:
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+                task = bar.add_task("peers", total=None)
+                rows = compare_peers(model, x, loss_fn, budgets=budgets, backend=backend, repeats=a.repeats,
+                                     search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed},
+                                     progress=lambda msg: bar.update(task, description=msg))
+        finally:
+            if backend is not None:
+                backend.close()
         _print_table(rows)
         write_json(a, {"command": "peers", "device": str(device), "link_gbps": a.link, "rows": rows})
         return 0

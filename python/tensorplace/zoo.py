@@ -7,8 +7,11 @@ torchvision lacks: a UNet with concatenated skips, an LSTM and a GRU, ``nn.Trans
 a model whose tensors are saved by functional code between modules (residual adds,
 ``torch.cat``, ``chunk``, ``split``), tied weights, and in-place ops.
 
-``tensorplace-bench`` accepts every name with ``--model`` (they are registered in its zoo), and
-``tensorplace-bench budgets`` plans and measures them at three budgets.
+``tensorplace-bench`` accepts every name with ``--model`` (they are registered in its zoo); where
+torchvision has a model of the same name (``mobilenet_v2``, ``mobilenet_v3_small``,
+``efficientnet_b0``) the bare name is torchvision's full-size model and this zoo's is
+``--model zoo.NAME`` (every zoo model answers to ``zoo.NAME``). ``tensorplace-bench budgets``
+plans and measures them at three budgets (its ``--model`` takes the zoo's own names).
 
 >>> model, inputs, loss_fn = build("unet", batch=2)
 >>> loss_fn(model(*inputs)).shape

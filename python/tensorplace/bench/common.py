@@ -285,20 +285,35 @@ def _zoo_model(name: str) -> Builder:
     return build
 
 
+ZOO_PREFIX = "zoo."  # `--model zoo.NAME`: tensorplace.zoo's NAME, also where torchvision has a model of that name
+
+
 def _register_zoo() -> None:
+    """The budget work's zoo (tensorplace.zoo) under its own names, except where torchvision has a
+    model of the same name (mobilenet_v2, efficientnet_b0, ...): the bare name stays torchvision's
+    (full size, --image and --classes apply) and the zoo's small one is ``zoo.NAME``. Every zoo
+    model is also reachable as ``zoo.NAME`` (build_model), listed only where it is needed."""
     from .. import zoo
 
+    tv = set(torchvision_names())
     for name, (what, _) in zoo.MODELS.items():
-        register_model(name, f"{what} (tensorplace.zoo; fixed size, --batch only)", _zoo_model(name))
+        listed = ZOO_PREFIX + name if name in tv else name
+        register_model(listed, f"{what} (tensorplace.zoo; fixed size, --batch only)", _zoo_model(name))
 
 
-_register_zoo()
+def _zoo_names() -> List[str]:
+    from .. import zoo
+
+    return zoo.names()
 
 
 def torchvision_names() -> List[str]:
     import torchvision
 
     return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+_register_zoo()
 
 
 def zoo() -> Dict[str, str]:
@@ -378,6 +393,8 @@ def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes
             model, inputs, loss_fn = _from_factory(spec, b, image, seq, classes, input_shape)
         elif spec in _OWN:
             model, inputs, loss_fn = _OWN[spec][1](b, image, seq, classes)
+        elif spec.startswith(ZOO_PREFIX) and spec[len(ZOO_PREFIX):] in _zoo_names():
+            model, inputs, loss_fn = _zoo_model(spec[len(ZOO_PREFIX):])(b, image, seq, classes)
         elif spec in torchvision_names():
             model, inputs, loss_fn = _torchvision(spec, b, image, classes)
         else:
@@ -396,7 +413,8 @@ def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes
 def model_args(p: argparse.ArgumentParser, batch: int = 32) -> None:
     """--model and its input options."""
     p.add_argument("--model", default="resnet18",
-                   help="a zoo name (gpt, gpt12, tinygpt, inception, any torchvision model: resnet18, ...) or "
+                   help="a zoo name (gpt, gpt12, tinygpt, inception, any torchvision model: resnet18, ...; "
+                        "tensorplace.zoo's models: unet, lstm, ..., zoo.NAME where torchvision has NAME too) or "
                         "'package.module:factory' (default resnet18; `tensorplace-bench models` lists them)")
     p.add_argument("--batch", type=positive_int, default=batch, help=f"batch size (default {batch})")
     p.add_argument("--image", type=positive_int, default=128, help="image side for image models (default 128)")
@@ -538,13 +556,28 @@ def eprint(*args: Any) -> None:
 # --- builtin or saved profiles (planner-only subcommands) -------------------------------------
 
 
+def builtin_profile(text: str) -> str:
+    """A builtin modelled profile's name; for any other name, how to get a real model's profile."""
+    from .. import examples
+
+    if text in examples.names():
+        return text
+    real = ":" in text or text in _OWN or text in torchvision_names() or (
+        text.startswith(ZOO_PREFIX) and text[len(ZOO_PREFIX):] in _zoo_names())
+    how = (f"; {text!r} is a real model: profile it first, `tensorplace-bench profile --model {text} -o p.json`, "
+           "then pass --profile p.json" if real else "")
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a builtin profile (choose from {', '.join(examples.names())}){how}")
+
+
 def profile_source_args(p: argparse.ArgumentParser, default: str, batch: int = 32) -> None:
     """--model (a builtin modelled profile) or --profile (a saved profile file), and --batch."""
     from .. import examples
 
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", default=default, choices=examples.names(),
-                   help=f"a builtin modelled profile (default {default})")
+    g.add_argument("--model", default=default, type=builtin_profile, metavar="BUILTIN",
+                   help=f"a builtin modelled profile: {', '.join(examples.names())} (default {default}); "
+                        "for a real model, save its profile with `tensorplace-bench profile` and pass --profile")
     g.add_argument("--profile", metavar="FILE", help="a profile saved by `tensorplace-bench profile` instead")
     p.add_argument("--batch", type=positive_int, default=batch, help=f"batch of the builtin profile (default {batch})")
 

@@ -19,7 +19,9 @@ def _load(a: argparse.Namespace) -> Tuple[Any, Any, Any]:
 
 
 def _write(a: argparse.Namespace, data: Dict[str, Any]) -> None:
-    a.out.update(**{k: v for k, v in data.items() if k != "command"})
+    # the bench's header has "command" and "device" (the measured device, as in every subcommand);
+    # peers' own "device" (the model's torch device) goes in as "torch_device"
+    a.out.update(**{("torch_device" if k == "device" else k): v for k, v in data.items() if k != "command"})
 
 
 def add_cli(sub: Any) -> None:

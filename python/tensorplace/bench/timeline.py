@@ -1,5 +1,7 @@
 """``timeline``: one training step under a plan, as the cost model plays it: the compute stream,
-the copy stream and the memory curve against the budget (a table, and a PNG with --png)."""
+the copy stream and the memory curve against the budget (a table, and a PNG with --png).
+The reserved memory of the plan's allocations under PyTorch's caching allocator (simulated,
+tensorplace.allocator) is given as its peak, not yet as a curve over the step."""
 
 from __future__ import annotations
 
@@ -94,6 +96,9 @@ def draw(path: str, title: str, prof: Dict[str, Any], ev: Dict[str, Any], base: 
     mem.fill_between(xs, ys, color="tab:blue", alpha=0.15)
     bxs, bys = steps(stage_intervals(prof, base), "peak")
     mem.plot(bxs, bys, color="grey", linestyle="--", linewidth=1, label="allocated, unplanned")
+    if ev.get("reserved_bytes") is not None:  # the peak only: the allocation sequence has no stage times
+        mem.axhline(ev["reserved_bytes"] / 2**20, color="tab:blue", linestyle=":", linewidth=1,
+                    label=f"reserved peak, planned (simulated) {format_bytes(ev['reserved_bytes'])}")
     mem.axhline(budget / 2**20, color="tab:red", linewidth=1, label=f"budget {format_bytes(budget)}")
     mem.set_xlabel("time in the step (ms, predicted)")
     mem.set_ylabel("device memory (MiB)")
@@ -106,7 +111,7 @@ def cmd_timeline(a: argparse.Namespace) -> int:
     label, prof, plan = _source(a)
     lb, up = lower_bound(prof), unplanned_peak(prof)
     if plan is not None:
-        budget, actions, method = plan.budget_bytes, plan.actions, plan.method
+        budget, actions, method, starts = plan.budget_bytes, plan.actions, plan.method, plan.segment_starts
     else:
         budget = a.budget if a.budget else int(lb + a.fraction * (up - lb))
         try:
@@ -116,8 +121,15 @@ def cmd_timeline(a: argparse.Namespace) -> int:
             print(f"cannot plan: {e.args[0]}")
             a.out["error"] = e.args[0]
             return 1
-        actions, method = p.actions, p.method
-    planned = evaluate(prof, actions, budget)
+        actions, method, starts = p.actions, p.method, p.segment_starts
+    # the plan's own checkpoint segments (sqrt's differ from the profile's blocks, evaluate's default);
+    # reserved: the caching allocator's reserved peak of the plan's allocations, simulated
+    try:
+        planned = evaluate(prof, actions, budget, segment_starts=starts or None, reserved=True)
+    except PlannerError as e:  # e.g. allocator settings in the profile the simulation does not model
+        print(f"no reserved-memory figure: {e}")
+        planned = evaluate(prof, actions, budget, segment_starts=starts or None)
+    reserved = planned.get("reserved_bytes")
     unplanned = evaluate(prof, ["retain"] * len(prof["units"]), max(up, budget))
     stages = stage_intervals(prof, planned)
     step = max(1, len(stages) // 24)
@@ -133,9 +145,12 @@ def cmd_timeline(a: argparse.Namespace) -> int:
     common.table(f"{title}: memory per stage (predicted)", ["stage", "start ms", "planned peak", "unplanned peak"], rows)
     print(f"step {common.ms(planned['step_time'])} ms (unplanned {common.ms(unplanned['step_time'])}); "
           f"copy stream busy {common.ms(d2h)} ms out, {common.ms(h2d)} ms in; stalls {common.ms(planned['swap_stall'])} ms; "
-          f"recompute {common.ms(planned['recompute'])} ms; peak {format_bytes(planned['peak_bytes'])} at {planned['peak_stage']}")
+          f"recompute {common.ms(planned['recompute'])} ms; peak {format_bytes(planned['peak_bytes'])} at {planned['peak_stage']}"
+          + (f"; reserved {format_bytes(reserved)} (caching allocator, simulated; alloc_conf "
+             f"{planned.get('alloc_conf') or 'default'})" if reserved is not None else ""))
     a.out.update(profile=label, method=method, budget_bytes=budget, lower_bound_bytes=lb, unplanned_peak_bytes=up,
-                      stages=stages, planned=planned, unplanned=unplanned, copy_seconds={"d2h": d2h, "h2d": h2d})
+                      stages=stages, planned=planned, unplanned=unplanned, copy_seconds={"d2h": d2h, "h2d": h2d},
+                      reserved_peak_bytes=reserved)
     if a.png:
         draw(a.png, title, prof, planned, unplanned, budget)
         a.out["png"] = a.png
