@@ -166,3 +166,52 @@ def test_training_under_each_method_is_bitwise_equal(probe: tp.Plan, method: str
     fast = tp.run(model, plan)
     assert_trains_alike(model, fast, ref, x, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 2, method)
     fast.close()
+
+
+def test_training_under_a_modnn_plan_matches_full_batch_training_within_tolerance() -> None:
+    """moDNN's plan on a real model (a GPT-style model; no BatchNorm or dropout, whose statistics
+    and masks are per sub-batch): the executor runs each sub-batch under the plan's actions, and
+    the accumulated gradients and the parameters after the optimizer steps match full-batch
+    training up to floating-point rounding (docs/methods.md)."""
+    from tensorplace.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=3, block=32, dropout=0.0)
+    x = torch.randint(0, 50, (16, 32))
+    y = torch.randint(0, 50, (16, 32))
+
+    def loss_of(out: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), yb.reshape(-1))
+
+    probe = tp.plan(model, x, "1GiB", loss_fn=lambda out: loss_of(out, y), method="retain", repeats=1)
+    prof = probe.to_dict()["profile"]
+    lb, up = tp.lower_bound(prof), tp.unplanned_peak(prof)
+    plan = None
+    for frac in (0.5, 0.3, 0.2, 0.1, 0.0):
+        try:
+            cand = probe.replan(int(lb + frac * (up - lb)), method="modnn")
+        except tp.BudgetError:
+            continue
+        if cand.settings["accumulation_steps"] >= 2:
+            plan = cand
+            break
+    assert plan is not None, "a budget near the lower bound should split the batch"
+    ref = copy.deepcopy(model)
+    planned = tp.run(model, plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        loss = tp.accumulate(planned, x, loss_of, plan, targets=y)
+        loss_ref = loss_of(ref(x), y)
+        loss_ref.backward()
+        assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}")
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+    assert not planned.last_stats.aborted
+    planned.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +20,7 @@ def test_peers_rows_are_measured_and_plans_keep_the_recipes_memory() -> None:
     backend = CpuBackend(bandwidth_cap=0.15e9)
     try:
         rows = compare_peers(model, x, lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                             backend=backend, repeats=1, search={"particles": 20, "iterations": 10})
+                             backend=backend, repeats=2, search={"particles": 20, "iterations": 10})
     finally:
         backend.close()
     by_name = {r["name"]: r for r in rows}
@@ -28,6 +30,10 @@ def test_peers_rows_are_measured_and_plans_keep_the_recipes_memory() -> None:
         assert name in by_name, (name, list(by_name))
     base = by_name["unplanned"]
     assert base["peak_ratio"] == 1.0 and base["time_ratio"] == 1.0
+    # step times from two rounds of one step per row, each row's time the median of its own
+    for r in rows:
+        if "error" not in r:
+            assert len(r["step_times"]) == 2 and r["step_time"] == statistics.median(r["step_times"]), r["name"]
     # the recipes save memory, and they and every plan train exactly as the plain model does
     assert by_name["checkpoint per block"]["peak_bytes"] < base["peak_bytes"]
     assert all(r.get("bitwise", True) for r in rows), [(r["name"], r.get("bitwise")) for r in rows]

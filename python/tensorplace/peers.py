@@ -8,14 +8,21 @@ of reserved memory (CUDA), the median step time, the ratios to the plain step, w
 and every gradient are bitwise equal to the plain step's, and, for plans, the prediction.
 `tensorplace-bench peers` prints it.
 
+Step times are taken in rounds once every row is set up: each round times one step of every
+row, in turn (reversed every other round), and a row's time is its median over the rounds. A
+machine whose load changes during the run then slows every row alike instead of the rows
+measured at the time.
+
 Repeated blocks are the modules the planner's `checkpoint-blocks` method finds (the unit-name
 prefixes of its blocks), so the recipe and the plan checkpoint the same segments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import statistics
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -136,6 +143,29 @@ def _measure(module: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor], 
     return {"peak_bytes": stats["peak_bytes"], "reserved_bytes": reserved, "step_time": stats["step_time"]}
 
 
+def _time_in_rounds(timed: Sequence[Tuple[Dict[str, Any], nn.Module, Any]], x: Any,
+                    loss_fn: Callable[[Any], torch.Tensor], rounds: int) -> None:
+    """Set ``step_time`` (median) and ``step_times`` of every row from ``rounds`` rounds of one
+    step of each ``(row, module, context)`` in turn (module docstring)."""
+    from .profiler import _Clock, _preserved, _timed_plain_step
+
+    model = timed[0][1]
+    dev = next(model.parameters()).device
+    clock = _Clock(dev)
+    times: List[List[float]] = [[] for _ in timed]
+    with _preserved(model, dev):
+        for r in range(rounds):
+            order = range(len(timed)) if r % 2 == 0 else range(len(timed) - 1, -1, -1)
+            for i in order:
+                _row, module, context = timed[i]
+                module.train()
+                with context() if context is not None else contextlib.nullcontext():
+                    times[i].append(_timed_plain_step(module, (x,), loss_fn, clock))
+    for (row, _module, _context), ts in zip(timed, times):
+        row["step_time"] = statistics.median(ts)
+        row["step_times"] = ts
+
+
 def _equal(a: Tuple[torch.Tensor, List[Optional[torch.Tensor]]], b: Tuple[torch.Tensor, List[Optional[torch.Tensor]]]) -> bool:
     if not torch.equal(a[0], b[0]) or len(a[1]) != len(b[1]):
         return False
@@ -164,8 +194,10 @@ def compare_peers(
     rows: List[Dict[str, Any]] = []
     note("plain step")
     reference = _step(model, x, loss_fn)
-    base = _measure(model, x, loss_fn, repeats)
+    base = _measure(model, x, loss_fn, 1)
     rows.append({"name": "unplanned", **base, "bitwise": True})
+    timed: List[Tuple[Dict[str, Any], nn.Module, Any]] = [(rows[0], model, None)]
+    opened: List[Any] = []
 
     note("profiling")
     probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=repeats)
@@ -185,32 +217,39 @@ def compare_peers(
         if module is None:
             continue
         note(name)
-        stats = _measure(module, x, loss_fn, repeats, context)
+        stats = _measure(module, x, loss_fn, 1, context)
         same = _equal(_step(module, x, loss_fn, context=context), reference)
         rows.append({"name": name, **stats, "bitwise": same})
+        timed.append((rows[-1], module, context))
         targets.append((f"tensorplace at {name}", stats["peak_bytes"]))
     targets += [(f"tensorplace at {tp.format_bytes(b)}", int(b)) for b in budgets]
     plans: List[Tuple[str, Optional[int], str]] = [(name, budget, "pso") for name, budget in targets]
     if blocks:  # the per-block recipe as a plan: the executor's segments against torch's checkpoint
         plans.insert(0, ("tensorplace checkpoint-blocks", None, "checkpoint-blocks"))
 
-    for name, budget, method in plans:
-        note(name)
-        try:
-            plan = probe.replan(2**50 if budget is None else budget, method=method,
-                                **(search if method == "pso" else {}))
-        except tp.BudgetError as exc:
-            rows.append({"name": name, "budget": budget, "error": str(exc).splitlines()[0]})
-            continue
-        fast = tp.run(model, plan, backend=backend)
-        try:
-            stats = _measure(fast, x, loss_fn, repeats)
+    try:
+        for name, budget, method in plans:
+            note(name)
+            try:
+                plan = probe.replan(2**50 if budget is None else budget, method=method,
+                                    **(search if method == "pso" else {}))
+            except tp.BudgetError as exc:
+                rows.append({"name": name, "budget": budget, "error": str(exc).splitlines()[0]})
+                continue
+            fast = tp.run(model, plan, backend=backend)
+            opened.append(fast)
+            stats = _measure(fast, x, loss_fn, 1)
             same = _equal(_step(fast, x, loss_fn), reference)
-        finally:
+            rows.append({"name": name, "budget": budget, "method": method, **stats, "bitwise": same,
+                         "predicted_peak_bytes": plan.predicted["peak_bytes"],
+                         "predicted_step_time": plan.predicted["step_time"], "counts": plan.counts()})
+            timed.append((rows[-1], fast, None))
+        note(f"step times: {repeats} rounds of {len(timed)} steps")
+        _time_in_rounds(timed, x, loss_fn, repeats)
+    finally:
+        for fast in opened:
             fast.close()
-        rows.append({"name": name, "budget": budget, "method": method, **stats, "bitwise": same,
-                     "predicted_peak_bytes": plan.predicted["peak_bytes"],
-                     "predicted_step_time": plan.predicted["step_time"], "counts": plan.counts()})
+    base = rows[0]  # its step time, too, is from the rounds
     for r in rows:
         if "peak_bytes" in r:
             r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
@@ -255,7 +294,8 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
                    help="extra tensorplace budget (repeatable), e.g. 200MiB")
     p.add_argument("--link", type=float, default=None, metavar="GB/s",
                    help="cap the CPU backend's host copies at this bandwidth (a GPU-like copy/compute ratio)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps per row (median)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="rounds of timed steps, one step of every row per round (median per row)")
     p.add_argument("--particles", type=positive_int, default=100)
     p.add_argument("--iterations", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
