@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import defaultdict
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
