@@ -932,6 +932,15 @@ class _StepState:
         if units:
             self.stage_boundary(f"bwd:{units - 1}")
 
+    def release_unneeded(self) -> None:
+        """At the end of the forward: stop watching dropped tensors, and let go of the held
+        inputs of recomputed units whose replay nobody will need."""
+        self.dropped = {}
+        for rt in self.runtimes.values():
+            rt.forward_done = True
+        for rt in list(self.runtimes.values()):
+            rt._maybe_release()
+
     def issue_prefetches(self, stage: int) -> None:
         self.enter_backward()
         if stage in self.fired or self.dead:
@@ -1144,7 +1153,7 @@ class _PlanTracker(UnitTracker):
             owner_rt = self._runtime_for(self.segments[owner])
             assert owner_rt is not None
             slot.to_replay(owner_rt)
-        elif will_modify:
+        elif will_modify or self._copy_now(segment):
             slot.protect()
         elif val.saved and owner_action == "swap" and (
                 entry := st.swapped.get((StorageWeakRef(tensor.untyped_storage()).cdata, tensor._version))) is not None:
@@ -1219,6 +1228,11 @@ class _PlanTracker(UnitTracker):
         st.drop(owner, tensor)
         self._convert_slots(val, None, rt)
         return handle
+
+    def _copy_now(self, segment: Segment) -> bool:
+        """Whether the held input ``segment`` just read gets its private copy now, whatever
+        writes into it later (the full step copies at the write, which it sees)."""
+        return False
 
     def _swap_entry(self, val: ValueRec, tensor: torch.Tensor, owner: int) -> _Entry:
         """The swap entry of a saved value (one copy per storage version)."""
@@ -1363,17 +1377,9 @@ class _ScopedTracker(_PlanTracker):
         val.saved = saved
         return val
 
-    def on_input(self, segment: Segment, ref: InputRef, tensor: torch.Tensor, will_modify: bool) -> None:
-        super().on_input(segment, ref, tensor, will_modify)
-        slot = ref.slot
-        if (isinstance(slot, _InputSlot) and slot.kind == "tensor" and not slot.protected
-                and len(segment.inputs) - 1 in self.table.protect.get(segment.unit, ())):
-            # written in place later in the first step (maybe by code this step does not track):
-            # copy it now
-            slot.protect()
-            lst = self.state.direct_slots.get(ref.value)
-            if lst and slot in lst:
-                lst.remove(slot)
+    def _copy_now(self, segment: Segment) -> bool:
+        # written in place later in the first step, maybe by code this step does not track
+        return len(segment.inputs) - 1 in self.table.protect.get(segment.unit, ())
 
     def _pack_owner(self, reader: int) -> int:
         return self.table.owner[self._k]
@@ -1461,17 +1467,20 @@ class _LeanStep:
             self.tracker.close()  # type: ignore[union-attr]
         if self.armed:
             self.disarm(t.pack_start[u])
-        if self.scoped:
-            # the tracker stays on (recomputed units in a row): the executor's own torch calls
-            # below are not glue
-            tr = self.tracker
-            tr._busy += 1  # type: ignore[union-attr]
-            try:
-                self._start(u, module, args, kwargs)
-            finally:
-                tr._busy -= 1  # type: ignore[union-attr]
-        else:
-            self._start(u, module, args, kwargs)
+        self._untracked(self._start, u, module, args, kwargs)
+
+    def _untracked(self, fn: Any, *a: Any) -> None:
+        """Run the step's own work; while the tracker is on (recomputed units in a row), its
+        torch calls are not glue."""
+        if not self.scoped:
+            fn(*a)
+            return
+        tr = self.tracker
+        tr._busy += 1  # type: ignore[union-attr]
+        try:
+            fn(*a)
+        finally:
+            tr._busy -= 1  # type: ignore[union-attr]
 
     def _start(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         t = self.t
@@ -1529,15 +1538,8 @@ class _LeanStep:
     # the forward hook of the unit modules of prefetch stages and recomputed units
     def unit_end(self, module: nn.Module, output: Any) -> None:
         if self.scoped:
-            tr = self.tracker
-            tr.end_unit(module, output)  # type: ignore[union-attr]
-            tr._busy += 1  # type: ignore[union-attr]
-            try:
-                self._end(module, output)
-            finally:
-                tr._busy -= 1  # type: ignore[union-attr]
-        else:
-            self._end(module, output)
+            self.tracker.end_unit(module, output)  # type: ignore[union-attr]
+        self._untracked(self._end, module, output)
 
     def _end(self, module: nn.Module, output: Any) -> None:
         post = self.post
@@ -1603,11 +1605,7 @@ class _LeanStep:
         st = self.state
         st.stats.units = len(tb.pack_start)
         st.forward_done(len(tb.pack_start))
-        st.dropped = {}
-        for rt in st.runtimes.values():
-            rt.forward_done = True
-        for rt in list(st.runtimes.values()):
-            rt._maybe_release()
+        st.release_unneeded()
         last = len(tb.pack_start) - 1
         prefetch_last = bool(tb.swaps) and last in st.prefetch_at
         # one hook per output and step: the backward of this step starts here
@@ -1712,14 +1710,11 @@ class Executor:
                 )
             state.forward_done(len(tracker.segments))
             state.note_dropped_alive(len(tracker.segments))
-            state.dropped = {}
-            for rt in state.runtimes.values():
-                rt.forward_done = True
-                if learn is not None:
+            if learn is not None:  # before release_unneeded lets go of the slots
+                for rt in state.runtimes.values():
                     learn.protect[rt.unit] = {i for i, ref in enumerate(rt.seg.inputs)
                                               if isinstance(ref.slot, _InputSlot) and ref.slot.protected}
-            for rt in list(state.runtimes.values()):
-                rt._maybe_release()
+            state.release_unneeded()
         except BaseException:
             state.abort()
             raise
