@@ -102,6 +102,20 @@ def test_milp_matches_pso_on_a_builtin_profile() -> None:
     assert milp.predicted["step_time"] <= pso.predicted["step_time"] * (1 + MILP_TOLERANCE)
 
 
+@pytest.mark.slow
+def test_default_pso_is_within_one_percent_of_the_milp_where_its_polish_used_to_miss() -> None:
+    # Issue 8's criterion on a cell of docs/methods.md's table where PSO was 2.29% behind before its
+    # polish gained ejection chains: the MILP retains pointwise BatchNorm/ReLU pairs that PSO
+    # recomputed, whose memory comes from free swaps and four depthwise recomputations at once.
+    prof = tp.examples.profile("mobilenet_v1", batch_size=32)
+    budget = budget_between(prof, 0.5)
+    milp = tp.plan_profile(prof, budget, "milp", time_limit=30)
+    pso = tp.plan_profile(prof, budget, "pso")
+    assert milp.settings["fallback"] is None, "the comparison is with the MILP's own plan"
+    assert pso.predicted["feasible"]
+    assert pso.predicted["step_time"] <= milp.predicted["step_time"] * 1.01
+
+
 def test_milp_refuses_a_budget_below_the_lower_bound_naming_one_that_works() -> None:
     prof = tp.examples.profile("plain20", batch_size=8)
     lb = tp.lower_bound(prof)

@@ -4,7 +4,8 @@
 //! - [`profile`]: the Profile format and its validated graph.
 //! - [`evaluator`]: the time-cost model (HOME Algorithm 2), docs/cost-model.md.
 //! - [`peak`]: peak analysis and the lower bound of any plan.
-//! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3).
+//! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3); [`polish`]: the local search
+//!   after it.
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
@@ -23,6 +24,7 @@ pub mod methods;
 pub mod peak;
 pub mod plan;
 pub mod planner;
+pub mod polish;
 pub mod profile;
 pub mod pso;
 pub mod recipes;

@@ -43,11 +43,13 @@ pub struct PsoSettings {
     pub seeds: Vec<Vec<Action>>,
     /// Whether `make_plan` seeds the swarm with the heuristic methods' plans.
     pub seed_heuristics: bool,
-    /// After the swarm, polish the best plan by local search: try every other action of every
-    /// unit, then of every pair of units (one of them not retained), keep each change that
-    /// improves the score, repeat until none does (an extension; it only ever improves the
-    /// result, and is deterministic).
+    /// After the swarm, polish the best plans by local search (crate::polish: single and pair
+    /// moves, ejection chains; an extension; it only ever improves the result, and is
+    /// deterministic whatever the thread count).
     pub polish: bool,
+    /// How many plans the polish starts from: the swarm's best, then the next best distinct
+    /// personal bests. The best polished plan wins.
+    pub polish_starts: usize,
 }
 
 impl Default for PsoSettings {
@@ -64,6 +66,7 @@ impl Default for PsoSettings {
             seeds: Vec::new(),
             seed_heuristics: true,
             polish: true,
+            polish_starts: 3,
         }
     }
 }
@@ -286,64 +289,26 @@ pub fn search(
         }
     }
     if settings.polish {
-        let mut scratch = Scratch::new(n);
-        let (mut best, mut best_score) = gbest;
-        loop {
-            let mut improved = false;
-            for j in 0..n {
-                let orig = best[j];
-                for a in Action::ALL {
-                    if a == orig || a == best[j] {
-                        continue;
-                    }
-                    let keep = best[j];
-                    best[j] = a;
-                    let s = score(g, &best, budget, opts, &mut scratch);
-                    evaluations += 1;
-                    if s.better_than(&best_score) {
-                        best_score = s;
-                        improved = true;
-                    } else {
-                        best[j] = keep;
-                    }
-                }
-            }
-            if improved {
-                continue;
-            }
-            // Pairs: change two units at once, keeping every improvement as the scan goes (one
-            // of the two is not retained: two retained units changing is two single changes).
-            for i in 0..n {
-                for j in (i + 1)..n {
-                    if best[i] == Action::Retain && best[j] == Action::Retain {
-                        continue;
-                    }
-                    let (oi, oj) = (best[i], best[j]);
-                    'combos: for ai in Action::ALL {
-                        for aj in Action::ALL {
-                            if ai == oi || aj == oj {
-                                continue;
-                            }
-                            best[i] = ai;
-                            best[j] = aj;
-                            let s = score(g, &best, budget, opts, &mut scratch);
-                            evaluations += 1;
-                            if s.better_than(&best_score) {
-                                best_score = s;
-                                improved = true;
-                                break 'combos;
-                            }
-                            best[i] = oi;
-                            best[j] = oj;
-                        }
-                    }
-                }
-            }
-            if !improved {
+        // The swarm's best, then the best personal bests whose step time differs from every
+        // start's so far (plans of the same time are mostly the same plan: a unit without
+        // activations swapped instead of retained).
+        let mut order: Vec<usize> = (0..m).collect();
+        order.sort_by(|&x, &y| pbest_scores[x].cmp_key(&pbest_scores[y]).then(x.cmp(&y)));
+        let mut starts = vec![gbest.clone()];
+        for &i in &order {
+            if starts.len() >= settings.polish_starts.max(1) {
                 break;
             }
+            if starts.iter().all(|(p, ps)| *p != pbest[i] && ps.time != pbest_scores[i].time) {
+                starts.push((pbest[i].clone(), pbest_scores[i]));
+            }
         }
-        gbest = (best, best_score);
+        if let Some((best, best_score, evals)) = crate::polish::polish(g, budget, opts, &pool, starts) {
+            evaluations += evals;
+            if best_score.better_than(&gbest.1) {
+                gbest = (best, best_score);
+            }
+        }
         if let Some(last) = trace.best.last_mut() {
             if gbest.1.feasible {
                 *last = Some(gbest.1.time);

@@ -256,7 +256,7 @@ fn make_plan(
             skip_fixed_points: true,
             seeds,
             seed_heuristics,
-            polish: true,
+            ..PsoSettings::default()
         },
         alloc_conf,
     };

@@ -1,6 +1,7 @@
 mod common;
 use common::*;
-use tensorplace_core::evaluator::EvalOptions;
+use tensorplace_core::evaluator::{score, EvalOptions, Scratch};
+use tensorplace_core::Action;
 use tensorplace_core::planner::{make_plan, PlanSettings};
 use tensorplace_core::pso::{search, PsoSettings};
 use tensorplace_core::{exhaustive, CoreError};
@@ -78,4 +79,48 @@ fn skipping_fixed_points_changes_nothing_but_the_work() {
     assert_eq!(fast.trace.mean, slow.trace.mean);
     assert_eq!(fast.trace.worst, slow.trace.worst);
     assert!(fast.trace.evaluations < slow.trace.evaluations);
+}
+
+#[test]
+fn the_polish_retains_a_unit_whose_memory_takes_several_recomputations() {
+    // An expensive unit (u1) recomputed, cheap ones (u2..u5) retained: retaining u1 needs two of
+    // the cheap ones recomputed, which no single or pair change does (one cheap unit frees too
+    // little). Swaps are useless (the link is slow). The polish's ejection chains find it.
+    let f = [1.0, 10.0, 0.1, 0.1, 0.1, 0.1, 1.0, 1.0];
+    let a = [10, 30, 10, 10, 10, 10, 10, 10];
+    let p = chain(&f, &a, 0, 1e-3);
+    let g = p.graph().unwrap();
+    let opts = EvalOptions::default();
+    let budget = 80;
+    let mut start = vec![Action::Retain; g.n];
+    start[1] = Action::Recompute;
+    let mut scratch = Scratch::new(g.n);
+    let s0 = score(&g, &start, budget, &opts, &mut scratch);
+    assert!(s0.feasible);
+    // No single or pair change improves the start (the polish before ejection chains stopped here).
+    for i in 0..g.n {
+        for j in i..g.n {
+            for ai in Action::ALL {
+                for aj in Action::ALL {
+                    let mut plan = start.clone();
+                    plan[i] = ai;
+                    plan[j] = aj;
+                    let s = score(&g, &plan, budget, &opts, &mut scratch);
+                    assert!(!s.better_than(&s0), "{plan:?} improves the start: {s:?} vs {s0:?}");
+                }
+            }
+        }
+    }
+    let (best, best_score) = exhaustive::search(&g, budget, &opts).unwrap();
+    assert!(best_score.time < 0.9 * s0.time, "the optimum {best:?} is much faster than the start");
+    let settings = PsoSettings {
+        particles: 1,
+        iterations: 0,
+        seed_extremes: false,
+        seeds: vec![start.clone()],
+        ..Default::default()
+    };
+    let r = search(&g, budget, &opts, &settings, |_, _| {}).unwrap();
+    assert!(r.score.feasible);
+    assert!((r.score.time - best_score.time).abs() < 1e-9, "polished {:?} {:?}, optimum {best:?} {best_score:?}", r.actions, r.score);
 }
