@@ -36,7 +36,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from .. import allocator
 from ..methods import bench as methods_bench
 from . import accuracy, budgets, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
-from .common import Output, versions, where
+from .common import HOST_MALLOC_MODES, Output, host_malloc, versions, where
 
 # One line per subcommand: its module's add_cli(subparsers).
 COMMANDS: List[Callable[[Any], None]] = [
@@ -66,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
         if not any("--json" in act.option_strings for act in p._actions):
             p.add_argument("--json", metavar="PATH", help="write the figures this command prints to PATH as JSON")
             p.set_defaults(_bench_json=True)  # commands with their own --json write it themselves
+        p.add_argument("--host-malloc", choices=HOST_MALLOC_MODES, default="keep",
+                       help="keep: the C heap keeps freed memory, as a GPU's caching allocator does, so that "
+                            "CPU steps do not pay page faults that depend on allocation order (default); "
+                            "default: glibc's own trimming")
     return ap
 
 
@@ -73,7 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
     path = a.json if getattr(a, "_bench_json", False) else None
-    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions()} if path else {}
+    heap = host_malloc(a.host_malloc)
+    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions(), "host_malloc": heap} if path else {}
     a.out = Output(path, header)
     rc = 1
     try:
