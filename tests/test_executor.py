@@ -294,6 +294,8 @@ def test_steady_steps_reuse_the_replays_rng_buffers_and_train_as_unplanned() -> 
             p.grad = q.grad = None
         pools.append({id(t) for t in planned.executor._rng_pool})
     assert len(pools[0]) == 5 and pools[1] == pools[0] and pools[2] == pools[0]
+    # what measured steps count as the executor's own memory (unplanned_step_stats)
+    assert planned.held_device_bytes() == 5 * torch.get_rng_state().numel()
     planned.close()
 
 

@@ -1698,6 +1698,13 @@ class Executor:
         #: the leaf every replay attaches its held inputs to (_Attach); made once, as the pool
         self._replay_anchor = torch.zeros((), requires_grad=True)
 
+    def held_device_bytes(self) -> int:
+        """Bytes of the model's device held by the executor between steps (PlannedModule)."""
+        p = next(self.model.parameters(), None)
+        if p is not None and p.device.type != "cpu":
+            return 0  # the generator states are CPU tensors: host memory there
+        return sum(t.untyped_storage().nbytes() for t in self._rng_pool)
+
     @property
     def backend(self) -> Any:
         if self._backend is None:
@@ -1888,6 +1895,11 @@ class PlannedModule(nn.Module):
     def last_stats(self) -> Optional[StepStats]:
         """What the latest planned step did (its backward fills in the rest)."""
         return self.executor.last_stats
+
+    def held_device_bytes(self) -> int:
+        """Bytes of the model's device that the executor keeps between steps: on a CPU, the
+        pooled generator-state buffers of replays (the profile's ``memory.replay_states``)."""
+        return self.executor.held_device_bytes()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.model.training or not torch.is_grad_enabled():
