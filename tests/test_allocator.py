@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tensorplace import allocator
 from tensorplace.allocator import AllocatorError
 from tensorplace.bench import main
+from traces import small_trace
 
 # As in CI: the repository's parent folder holds shared/.
 TRACES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "gpu-traces"
@@ -146,7 +147,7 @@ def test_bench_allocator_prints_and_writes_json(
     assert main(["allocator", *two, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert TRACES[0].stem in printed and "error" in printed
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [r["trace"] for r in rows] == two
     for row, path in zip(rows, two):
         trace = json.loads(Path(path).read_text())
@@ -154,6 +155,38 @@ def test_bench_allocator_prints_and_writes_json(
         assert row["max_reserved"] == allocator.replay(path)["max_reserved"]
         assert row["reserved_error_pct"] == pytest.approx(
             (row["max_reserved"] - trace["max_reserved"]) / trace["max_reserved"] * 100)
+
+
+def test_bench_allocator_json_has_a_header_and_the_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On traces made here: the header names the traces and the settings, a row per trace."""
+    monkeypatch.setenv("COLUMNS", "200")
+    paths = [tmp_path / "exact.json", tmp_path / "over.json"]
+    paths[0].write_text(json.dumps(small_trace(20 * MIB)))
+    paths[1].write_text(json.dumps(small_trace(25 * MIB)))
+    out = tmp_path / "alloc.json"
+    args = ["allocator", *map(str, paths), "--capacity", str(64 * MIB), "--alloc-conf", "expandable_segments:True",
+            "--json", str(out)]
+    assert main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["command"] == "allocator" and data["argv"] == args and data["exit_code"] == 0
+    assert data["traces"] == [str(p) for p in paths] and data["model"] == "caching"
+    assert (data["alloc_conf"], data["capacity"], data["trace_layout"]) == ("expandable_segments:True", 64 * MIB, True)
+    printed = capsys.readouterr().out
+    assert [r["trace"] for r in data["rows"]] == data["traces"]
+    for row, path in zip(data["rows"], paths):
+        assert path.stem in printed
+        again = allocator.replay(path, alloc_conf="expandable_segments:True", capacity=64 * MIB)
+        assert row["max_reserved"] == again["max_reserved"] and row["max_allocated"] == again["max_allocated"] == 8 * MIB
+        rec = json.loads(path.read_text())["max_reserved"]
+        assert row["recorded"]["max_reserved"] == rec
+        assert row["reserved_error_pct"] == pytest.approx((row["max_reserved"] - rec) / rec * 100)
+    assert data["rows"][0]["reserved_error_pct"] != data["rows"][1]["reserved_error_pct"]
+    # the defaults are in the header too
+    assert main(["allocator", str(paths[0]), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["alloc_conf"], data["capacity"], data["trace_layout"]) == (None, None, True)
 
 
 def test_bad_input_says_what_is_wrong(tmp_path: Path) -> None:

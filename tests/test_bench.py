@@ -9,19 +9,51 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
 import tensorplace as tp
-from tensorplace import examples
+from tensorplace import allocator, examples
 from tensorplace.bench import main, parser
 from tensorplace.bench import common
 from tensorplace.bench.maxbatch import extrapolate
+from traces import small_trace
 
 SEARCH = ["--iterations", "5", "--particles", "10"]
 # TinyGPT 2 x 32 on 16 tokens: a real model small enough for the tests
 TINY = ["--model", "tinygpt", "--seq", "16", "--repeats", "1"]
+
+
+MYMODELS = textwrap.dedent("""
+    import torch
+    def mlp(batch, classes):
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, classes))
+        return model, torch.randn(batch, 3, 4, 4)
+    def bare():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    def deep(batch, classes):  # activations that matter next to the backward's scratch at batch 256
+        layers = [torch.nn.Flatten(), torch.nn.Linear(48, 64)]
+        for _ in range(4):
+            layers += [torch.nn.ReLU(), torch.nn.Linear(64, 64)]
+        return torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(64, classes)), torch.randn(batch, 3, 4, 4)
+""")
+MLP = ["--model", "mymodels:mlp", "--batch", "6", "--classes", "7", "--repeats", "1"]
+DEEP = ["--model", "mymodels:deep", "--batch", "256", "--classes", "7", "--repeats", "1"]
+
+
+@pytest.fixture
+def mymodels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's models module on the import path: `--model mymodels:mlp` (MYMODELS above)."""
+    (tmp_path / "mymodels.py").write_text(MYMODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def deep_profile(batch: int = 256) -> dict:
+    """The profile of DEEP's model as the bench makes it (its bytes are those of any profiling run)."""
+    return common.profile(common.build_model("mymodels:deep", batch, classes=7), 1)
 
 
 def run_json(tmp_path: Path, args: list, rc: int = 0) -> dict:
@@ -49,7 +81,7 @@ def test_every_subcommand_takes_json():
 
 @pytest.mark.slow
 def test_compare_prints_every_method(capsys, tmp_path):
-    data = run_json(tmp_path, ["compare", "--model", "plain20", "--batch", "8", *SEARCH, "--fractions", "0.5",
+    data = run_json(tmp_path, ["compare", "--builtin", "plain20", "--batch", "8", *SEARCH, "--fractions", "0.5",
                                "--methods", "pso", "swap-all", "recompute-all", "no-such-method"])
     out = capsys.readouterr().out
     for word in ("pso", "swap-all", "recompute-all", "plain20"):
@@ -79,7 +111,7 @@ def test_maxbatch_builtin_planning_fits_at_least_the_unplanned_batch(capsys, tmp
 
 def test_convergence_reports_the_trace(capsys, tmp_path):
     png = tmp_path / "c.png"
-    data = run_json(tmp_path, ["convergence", "--model", "squeezenet", "--batch", "4", "--iterations", "6",
+    data = run_json(tmp_path, ["convergence", "--builtin", "squeezenet", "--batch", "4", "--iterations", "6",
                                "--particles", "12", "--png", str(png)])
     out = capsys.readouterr().out
     assert "within 1% of the final best" in out
@@ -91,7 +123,7 @@ def test_convergence_reports_the_trace(capsys, tmp_path):
 
 def test_timeline_draws_streams_and_memory(capsys, tmp_path):
     png = tmp_path / "t.png"
-    data = run_json(tmp_path, ["timeline", "--model", "plain20", "--batch", "4", *SEARCH, "--fraction", "0.2",
+    data = run_json(tmp_path, ["timeline", "--builtin", "plain20", "--batch", "4", *SEARCH, "--fraction", "0.2",
                                "--png", str(png)])
     out = capsys.readouterr().out
     assert "fwd:0" in out and "bwd:0" in out
@@ -115,6 +147,36 @@ def test_timeline_draws_streams_and_memory(capsys, tmp_path):
         assert c["end"] - c["start"] == pytest.approx(c["bytes"] / bw)
     assert sum(c["end"] - c["start"] for c in copies) == pytest.approx(planned["copy_time"])
     assert sum(r["end"] - r["start"] for r in planned["replays"]) == pytest.approx(planned["recompute"])
+    check_memory_curve(data, prof)
+
+
+def check_memory_curve(data: dict, prof: Optional[dict] = None) -> None:
+    """The timeline's memory curve: after every allocation and free of the plan's allocation
+    sequence, when it happens, the evaluator's allocated bytes and the bytes the caching
+    allocator reserves for them; reserved covers allocated, and each stage's events stay within
+    the stage's peak. With the profile: the sequence simulated by tensorplace.allocator."""
+    planned = data["planned"]
+    curve = planned["memory_curve"]
+    times, allocated = [p["time"] for p in curve], [p["allocated"] for p in curve]
+    assert times[0] == 0.0 and times == sorted(times) and times[-1] <= planned["step_time"]
+    assert all(p["reserved"] >= p["allocated"] for p in curve)
+    assert max(p["reserved"] for p in curve) == data["reserved_peak_bytes"]
+    assert max(allocated) == planned["peak_bytes"] and allocated[-1] == planned["end_bytes"]
+    for s in data["stages"]:  # an event strictly inside a stage's interval is the stage's
+        inside = [p["allocated"] for p in curve if s["start"] < p["time"] < s["end"]]
+        assert max(inside, default=0) <= s["peak"], s["stage"]
+    if prof is None:
+        return
+    seq = tp.allocation_sequence(prof, data["actions"], data["budget_bytes"], segment_starts=planned["segment_starts"])
+    c = seq["constant_bytes"]
+    sim = allocator.simulate(seq["events"], alloc_conf=planned["alloc_conf"], initial=(c, c), timeline=True)
+    size, running = {}, [c]
+    for e in seq["events"]:
+        if e["op"] == "alloc":
+            size[e["id"]] = e["size"]
+        running.append(running[-1] + (e["size"] if e["op"] == "alloc" else -size.pop(e["id"])))
+    assert times == [0.0] + seq["times"] and allocated == running
+    assert [p["reserved"] for p in curve] == [c] + [r for _, r in sim["timeline"]]
 
 
 def test_timeline_plays_the_plans_own_segments_and_reserved_peak(tmp_path, capsys):
@@ -126,7 +188,7 @@ def test_timeline_plays_the_plans_own_segments_and_reserved_peak(tmp_path, capsy
     p = tp.plan_profile(prof, budget, "sqrt")
     assert p.segment_starts != tp.evaluate(prof, p.actions, budget)["segment_starts"]  # else this test shows nothing
     png = tmp_path / "t.png"
-    data = run_json(tmp_path, ["timeline", "--model", "plain20", "--batch", "8", "--method", "sqrt",
+    data = run_json(tmp_path, ["timeline", "--builtin", "plain20", "--batch", "8", "--method", "sqrt",
                                "--fraction", "0.6", "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["budget_bytes"] == budget and data["method"] == "sqrt"
@@ -134,6 +196,7 @@ def test_timeline_plays_the_plans_own_segments_and_reserved_peak(tmp_path, capsy
     assert data["planned"]["peak_bytes"] == p.predicted["peak_bytes"] <= budget
     assert data["planned"]["step_time"] == pytest.approx(p.predicted["step_time"])
     assert data["reserved_peak_bytes"] == p.predicted["reserved_bytes"] >= data["planned"]["peak_bytes"]
+    check_memory_curve(data, prof)
     assert "reserved " in capsys.readouterr().out
     # the same plan saved and drawn with --plan
     p.save(tmp_path / "sqrt.json")
@@ -148,6 +211,7 @@ def test_timeline_plays_the_plans_own_segments_and_reserved_peak(tmp_path, capsy
     tp.save_profile(prof, tmp_path / "prof.json")
     odd = run_json(tmp_path, drawn)
     assert odd["reserved_peak_bytes"] is None and odd["planned"]["peak_bytes"] == p.predicted["peak_bytes"]
+    assert "memory_curve" not in odd["planned"]
     assert "no reserved-memory figure" in capsys.readouterr().out
 
 
@@ -163,6 +227,64 @@ def test_timeline_of_a_saved_plan(tmp_path, capsys):
     other.save(tmp_path / "other.json")
     with pytest.raises(SystemExit, match="does not belong to this profile"):
         main(["timeline", "--plan", str(tmp_path / "other.json"), "--profile", str(path)])
+
+
+# --- compare, convergence, timeline and maxbatch on a user's model, profiled on the spot -----------
+
+
+def test_compare_profiles_a_users_model(tmp_path, mymodels, capsys):
+    data = run_json(tmp_path, ["compare", *DEEP, *SEARCH, "--fractions", "0.5", "--methods", "pso", "swap-all"])
+    ref = deep_profile()
+    lb, up = tp.lower_bound(ref), tp.unplanned_peak(ref)
+    assert data["profile"] == "mymodels:deep batch 256" and "mymodels:deep batch 256" in capsys.readouterr().out
+    assert (data["lower_bound_bytes"], data["unplanned_peak_bytes"]) == (lb, up) and lb < up
+    assert [r["method"] for r in data["rows"]] == ["pso", "swap-all"]
+    for r in data["rows"]:
+        assert r["budget_bytes"] == int(lb + 0.5 * (up - lb))
+        assert not r["feasible"] or r["predicted_peak_bytes"] <= r["budget_bytes"]
+    assert data["rows"][0]["feasible"]
+
+
+def test_convergence_profiles_a_users_model(tmp_path, mymodels):
+    data = run_json(tmp_path, ["convergence", *DEEP, "--iterations", "4", "--particles", "6", "--fraction", "0.4"])
+    ref = deep_profile()
+    lb, up = tp.lower_bound(ref), tp.unplanned_peak(ref)
+    assert data["profile"] == "mymodels:deep batch 256" and data["budget_bytes"] == int(lb + 0.4 * (up - lb))
+    best = data["convergence"]["best"]
+    assert len(best) == 4 and best[-1] == pytest.approx(data["predicted_step_time"])
+
+
+def test_timeline_profiles_a_users_model(tmp_path, capsys):
+    png = tmp_path / "t.png"
+    data = run_json(tmp_path, ["timeline", *TINY, "--batch", "4", *SEARCH, "--fraction", "0.3", "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ref = common.profile(common.build_model("tinygpt", 4, seq=16), 1)
+    lb, up = tp.lower_bound(ref), tp.unplanned_peak(ref)
+    assert data["profile"] == "tinygpt batch 4" and data["budget_bytes"] == int(lb + 0.3 * (up - lb))
+    assert len(data["stages"]) == 2 * len(ref["units"]) == 2 * len(data["actions"])
+    assert data["planned"]["peak_bytes"] <= data["budget_bytes"]
+    check_memory_curve(data)  # on the profile made there, whose times are its own
+
+
+def test_maxbatch_predicts_from_two_saved_profiles(tmp_path, mymodels, capsys):
+    paths = [str(tmp_path / f"b{b}.json") for b in (256, 128)]
+    p256, p128 = deep_profile(256), deep_profile(128)
+    tp.save_profile(p256, paths[0])
+    tp.save_profile(p128, paths[1])
+
+    def at(b: int) -> dict:
+        return extrapolate(p128, 128, p256, 256, b)
+
+    memory = tp.unplanned_peak(at(400))
+    data = run_json(tmp_path, ["maxbatch", "--profile", *paths, "--memory", str(memory), *SEARCH,
+                               "--methods", "unplanned", "pso", "torch-checkpoint"])
+    assert "skipping torch-checkpoint" in capsys.readouterr().out and data["skipped_methods"] == ["torch-checkpoint"]
+    assert data["mode"] == "predicted" and "batches 128 and 256" in data["model"]
+    rows = {r["method"]: r for r in data["rows"]}
+    b = rows["unplanned"]["max_batch"]
+    assert b >= 400 and rows["pso"]["max_batch"] > b
+    # the batch found fits and the next one does not
+    assert tp.unplanned_peak(at(b)) <= memory < tp.unplanned_peak(at(b + 1))
 
 
 def test_models_lists_the_zoo(tmp_path):
@@ -282,19 +404,8 @@ def test_plan_refuses_an_impossible_budget(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_model_by_import_path(tmp_path, monkeypatch, capsys):
-    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
-        import torch
-        def mlp(batch, classes):
-            model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 32), torch.nn.ReLU(),
-                                        torch.nn.Linear(32, classes))
-            return model, torch.randn(batch, 3, 4, 4)
-        def bare():
-            return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    data = run_json(tmp_path, ["profile", "--model", "mymodels:mlp", "--batch", "6", "--classes", "7", "--repeats", "1",
-                               "-o", str(tmp_path / "p.json")])
+def test_model_by_import_path(tmp_path, mymodels, capsys):
+    data = run_json(tmp_path, ["profile", *MLP, "-o", str(tmp_path / "p.json")])
     assert data["inputs"] == "(6, 3, 4, 4)" and data["units"] == 4
     prof = tp.load_profile(tmp_path / "p.json")
     assert prof["batch_size"] == 6 and prof["units"][-1]["grad_bytes"] == (32 * 7 + 7) * 4
@@ -307,8 +418,10 @@ def test_model_by_import_path(tmp_path, monkeypatch, capsys):
     (["demo", "--fraction", "1.5"], "strictly between 0 and 1"),
     (["demo", "--batch", "0"], "whole number >= 1"),
     (["maxbatch", "--model", "tinygpt"], "--memory"),
-    (["compare", "--model", "resnet18"], "'resnet18' is a real model: profile it first"),
-    (["timeline", "--model", "no_such_profile"], "'no_such_profile' is not a builtin profile (choose from vgg16"),
+    (["compare", "--builtin", "resnet18"], "'resnet18' is a real model: pass --model resnet18"),
+    (["timeline", "--builtin", "no_such_profile"], "'no_such_profile' is not a builtin profile (choose from vgg16"),
+    (["convergence", "--model", "tinygpt", "--builtin", "plain20"], "not allowed with argument --model"),
+    (["maxbatch", "--profile", "a.json", "--memory", "1GiB"], "--profile: expected 2 arguments"),
     (["peers", "--model", "tinygpt", "--budget", "lots"], "cannot read budget 'lots'"),
     (["peers", "--model", "tinygpt", "--repeats", "0"], "whole number >= 1"),
     (["profile", "--model", "tinygpt", "--input-shape", "3xa", "-o", "x"], "dimensions like 3x64x64"),
@@ -329,11 +442,18 @@ def test_argument_errors_say_what_is_wrong(args, message, capsys):
     (["allocator", "missing.json"], "trace 'missing.json': no such file"),
     (["allocator", "notes.txt"], "trace 'notes.txt' is not a JSON allocator trace"),
     (["allocator", "profile.json"], "cuda-caching-allocator-trace"),
+    (["compare", "--model", "plain20"], "'plain20' is a builtin modelled profile: pass --builtin plain20"),
+    (["timeline", "--plan", "plan.json", "--model", "tinygpt"], "not on --model, whose new profile"),
+    (["maxbatch", "--profile", "profile.json", "profile.json", "--memory", "1GiB"],
+     "give two profiles of one model at different batch sizes (these have 1 and 1)"),
+    (["maxbatch", "--profile", "profile.json", "squeezenet.json", "--memory", "1GiB"], "have different units"),
 ])
 def test_usage_errors_say_how_to_fix(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("not json")
     tp.save_profile(examples.profile("plain20", batch_size=1), tmp_path / "profile.json")
+    tp.save_profile(examples.profile("squeezenet", batch_size=2), tmp_path / "squeezenet.json")
+    tp.plan_profile(examples.profile("plain20", batch_size=1), "1GiB", "retain").save(tmp_path / "plan.json")
     with pytest.raises(SystemExit) as e:
         main(args)
     assert message in str(e.value.code)
@@ -400,6 +520,71 @@ def test_progress_bars_nest(monkeypatch, capsys):
         assert [t.description for t in outer._p.tasks] == ["outer"]
     assert common._ACTIVE is None
     assert "outer" in capsys.readouterr().err
+
+
+def test_what_is_printed_under_a_progress_bar_stays_on_stdout(monkeypatch, capsys):
+    monkeypatch.setattr(common, "_FORCE_PROGRESS", True)
+    with common.progress("working"):
+        print("a figure")
+    out, err = capsys.readouterr()
+    assert out == "a figure\n" and "working" in err and "a figure" not in err
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list:
+    """Progress bars forced on (as on a terminal); the descriptions of those opened."""
+    monkeypatch.setattr(common, "_FORCE_PROGRESS", True)
+    opened = []
+    real = common.progress
+
+    def recording(description, total=None):
+        opened.append(description)
+        return real(description, total)
+
+    monkeypatch.setattr(common, "progress", recording)
+    return opened
+
+
+@pytest.mark.parametrize("args", [
+    ["compare", *DEEP, *SEARCH, "--fractions", "0.5", "--methods", "pso"],
+    ["convergence", "--builtin", "plain20", "--batch", "4", *SEARCH],
+    ["timeline", "--builtin", "plain20", "--batch", "4", *SEARCH],
+    ["maxbatch", "--builtin", "plain20", "--memory", "16MiB", *SEARCH, "--methods", "pso"],
+    ["profile", *MLP, "-o", "p.json"],
+    ["plan", "saved.json", "--budget", "1GiB", *SEARCH, "-o", "plan.json"],
+    ["allocator", "trace.json"],
+    ["peers", *TINY, "--batch", "2"],
+    ["methods", "--models", "plain20", "--methods", "pso", "--fractions", "0.5", "--particles", "5", "--iterations", "3"],
+    *(pytest.param(args, marks=pytest.mark.slow) for args in (
+        ["demo", *TINY, "--batch", "2", *SEARCH],
+        ["accuracy", *TINY, "--batch", "2", *SEARCH, "--fractions", "0.5", "--methods", "pso"],
+        ["budgets", "--model", "unet", "--batch", "1", "--particles", "3", "--iterations", "2"],
+    )),
+], ids=lambda args: args[0])
+def test_json_on_stdout_stays_valid_under_progress_bars(args, bars, mymodels, tmp_path, monkeypatch, capsys):
+    """`--json -`: stdout is the JSON alone; the bars (every subcommand that profiles, searches
+    or measures has one) and the tables go to stderr. (`methods` writes JSON lines to a file of
+    its own: there, the bar alone.)"""
+    monkeypatch.chdir(tmp_path)
+    tp.save_profile(examples.profile("plain20", batch_size=2), tmp_path / "saved.json")
+    (tmp_path / "trace.json").write_text(json.dumps(small_trace(2**24)))
+    if args[0] == "peers":  # its measurements take a minute: here only what the command does with them
+        import tensorplace.peers
+
+        def compare_peers(model, x, loss_fn, progress, **kw):
+            progress("measuring the peers")
+            return [{"name": "unplanned", "peak_bytes": 10, "step_time": 1.0, "peak_ratio": 1.0, "time_ratio": 1.0,
+                     "bitwise": True}]
+
+        monkeypatch.setattr(tensorplace.peers, "compare_peers", compare_peers)
+    to_stdout = args[0] != "methods"
+    assert main(args + ["--json", "-"] * to_stdout) == 0
+    out, err = capsys.readouterr()
+    assert bars and all(d in err for d in bars), (bars, err[-500:])
+    if to_stdout:
+        data = json.loads(out)
+        assert data["command"] == args[0] and data["exit_code"] == 0
+        assert "│" in err or "saved to" in err  # what the command printed
 
 
 def test_json_is_written_as_figures_arrive(tmp_path):

@@ -21,6 +21,7 @@ def evaluate(
     segment_starts: Optional[List[int]] = None,
     reserved: bool = False,
     alloc_conf: Optional[str] = None,
+    memory_curve: bool = False,
 ) -> str: ...
 def allocation_sequence(
     profile_json: str,

@@ -148,38 +148,40 @@ def _pct(p: Optional[float]) -> str:
 
 def cmd_allocator(a: argparse.Namespace) -> int:
     """Replay recorded allocator traces; print simulated against recorded peaks."""
-    from .bench.common import table as _table
+    from .bench import common
 
+    a.out.update(traces=a.traces, model=a.model or "caching", alloc_conf=a.alloc_conf, capacity=a.capacity,
+                 trace_layout=not a.no_trace_layout)
     rows: List[List[Any]] = []
-    results: List[Dict[str, Any]] = []
-    for path in a.traces:
-        try:
-            with open(path) as f:
-                trace = json.load(f)
-        except FileNotFoundError:
-            raise SystemExit(f"allocator: trace {path!r}: no such file") from None
-        except (OSError, ValueError) as e:  # ValueError: not JSON (json.JSONDecodeError), not text
-            raise SystemExit(f"allocator: trace {path!r} is not a JSON allocator trace: {e}") from None
-        try:
-            r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity, trace_layout=not a.no_trace_layout)
-        except AllocatorError as e:
-            raise SystemExit(f"allocator: trace {path!r}: {e}") from None
-        rec = r["recorded"]
-        rows.append([
-            os.path.basename(path).removesuffix(".json") + (f' ({r["alloc_conf"]})' if r["alloc_conf"] else ""),
-            _gib(r["max_reserved"]), _gib(rec["max_reserved"]), _pct(r["reserved_error_pct"]),
-            _gib(r["max_allocated"]), _gib(rec["max_allocated"]), _pct(r["allocated_error_pct"]),
-            f'{r["device_allocs"]} / {rec["device_allocs"]}',
-        ])
-        results.append({"trace": path, **{k: v for k, v in r.items() if k != "timeline"}})
-    _table(
-        f"allocator replay ({results[0]['model'] if results else a.model}): simulated vs recorded peaks, GiB",
+    with common.progress("replaying", total=len(a.traces)) as bar:
+        for path in a.traces:
+            bar.describe(f"replaying {os.path.basename(path)}")
+            try:
+                with open(path) as f:
+                    trace = json.load(f)
+            except FileNotFoundError:
+                raise SystemExit(f"allocator: trace {path!r}: no such file") from None
+            except (OSError, ValueError) as e:  # ValueError: not JSON (json.JSONDecodeError), not text
+                raise SystemExit(f"allocator: trace {path!r} is not a JSON allocator trace: {e}") from None
+            try:
+                r = replay(trace, a.model, alloc_conf=a.alloc_conf, capacity=a.capacity,
+                           trace_layout=not a.no_trace_layout)
+            except AllocatorError as e:
+                raise SystemExit(f"allocator: trace {path!r}: {e}") from None
+            bar.advance()
+            rec = r["recorded"]
+            rows.append([
+                os.path.basename(path).removesuffix(".json") + (f' ({r["alloc_conf"]})' if r["alloc_conf"] else ""),
+                _gib(r["max_reserved"]), _gib(rec["max_reserved"]), _pct(r["reserved_error_pct"]),
+                _gib(r["max_allocated"]), _gib(rec["max_allocated"]), _pct(r["allocated_error_pct"]),
+                f'{r["device_allocs"]} / {rec["device_allocs"]}',
+            ])
+            a.out.append("rows", {"trace": path, **{k: v for k, v in r.items() if k != "timeline"}})
+    common.table(
+        f"allocator replay ({a.model or 'caching'}): simulated vs recorded peaks, GiB",
         ["trace (alloc_conf)", "reserved sim", "rec", "error", "allocated sim", "rec", "error", "segments sim / rec"],
         rows,
     )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
     return 0
 
 
@@ -192,5 +194,4 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--capacity", type=int, default=None, help="device bytes the allocator may reserve")
     p.add_argument("--no-trace-layout", action="store_true",
                    help="use only at_start, not the initial blocks and segment addresses inferred from the trace")
-    p.add_argument("--json", help="also write the results to this file")
     p.set_defaults(fn=cmd_allocator)

@@ -286,7 +286,7 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
             write_json: Callable[[Any, Any], None]) -> None:
     """Register ``tensorplace-bench peers``: ``model_args(parser)`` adds the model options,
     ``load_model(args)`` returns (model, input, loss_fn), ``write_json(args, data)`` honours ``--json``."""
-    from .bench.common import budget as budget_arg, positive_int
+    from .bench.common import budget as budget_arg, positive_int, progress
 
     p = subparsers.add_parser("peers", help="measure tensorplace against checkpointing recipes and save_on_cpu")
     model_args(p)
@@ -301,8 +301,6 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
     p.add_argument("--seed", type=int, default=0)
 
     def run(a: Any) -> int:
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
         if a.link is not None and a.link <= 0:
             raise SystemExit(f"--link must be a positive bandwidth in GB/s, got {a.link}")
         budgets = list(a.budget)  # bytes (parsed by the argument's type)
@@ -316,11 +314,10 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
 
             backend = CpuBackend(bandwidth_cap=a.link * 1e9)
         try:
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
-                task = bar.add_task("peers", total=None)
+            with progress("peers") as bar:  # on stderr
                 rows = compare_peers(model, x, loss_fn, budgets=budgets, backend=backend, repeats=a.repeats,
                                      search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed},
-                                     progress=lambda msg: bar.update(task, description=msg))
+                                     progress=bar.describe)
         finally:
             if backend is not None:
                 backend.close()

@@ -336,6 +336,7 @@ def evaluate(
     *,
     reserved: bool = False,
     alloc_conf: Optional[str] = None,
+    memory_curve: bool = False,
 ) -> Dict[str, Any]:
     """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve.
 
@@ -343,11 +344,14 @@ def evaluate(
     segments (default: the starts of the profile's repeated blocks; the result says which).
     `reserved`: also simulate the plan's allocation sequence under PyTorch's CUDA caching
     allocator, with `alloc_conf` (default: the profile's recorded ``PYTORCH_CUDA_ALLOC_CONF``):
-    adds ``reserved_bytes``, ``alloc_conf`` and the simulation's stats (``allocator``)."""
+    adds ``reserved_bytes``, ``alloc_conf`` and the simulation's stats (``allocator``).
+    `memory_curve` (with `reserved`): adds ``memory_curve``, after every allocation event its
+    ``time`` (seconds from the step's start), ``allocated`` and ``reserved`` bytes."""
     starts = None if segment_starts is None else [int(u) for u in segment_starts]
     return json.loads(
         _core.evaluate(
-            profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts, reserved, alloc_conf
+            profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts, reserved, alloc_conf,
+            memory_curve,
         )
     )
 
@@ -361,8 +365,8 @@ def allocation_sequence(
 ) -> Dict[str, Any]:
     """The device allocations and frees the cost model has `actions` make, in order
     (docs/cost-model.md, "Reserved memory"): ``events`` as :func:`tensorplace.allocator.simulate`
-    reads them, ``what`` (per event, the block: ``"act:3"``, ``"bwd_work:5"``, ...),
-    ``constant_bytes`` (the constant memory, not in the events: simulate with ``initial=(c, c)``),
+    reads them, ``what`` (per event, the block: ``"act:3"``, ``"bwd_work:5"``, ...), ``times``
+    (per event, seconds from the step's start), ``constant_bytes`` (the constant memory, not in the events: simulate with ``initial=(c, c)``),
     and the evaluation's ``peak_bytes`` and ``end_bytes``."""
     starts = None if segment_starts is None else [int(u) for u in segment_starts]
     return json.loads(

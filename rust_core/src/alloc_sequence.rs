@@ -3,7 +3,9 @@
 //! ([`crate::allocator::simulate`]), and the reserved peak of a plan that follows from them
 //! (docs/cost-model.md, "Reserved memory").
 //!
-//! The evaluator reports every change of its memory count to a [`MemoryEvents`] sink. The search
+//! The evaluator reports every change of its memory count to a [`MemoryEvents`] sink, with the
+//! time it happens (seconds from the step's start on the compute stream, as the evaluator plays
+//! the step; a transient leaves when the compute or replay that uses it ends). The search
 //! passes [`NoEvents`], whose methods are empty and whose `ENABLED` is false, so the hooks compile
 //! away; [`Recorder`] turns them into blocks.
 //!
@@ -92,10 +94,10 @@ impl What {
 pub trait MemoryEvents {
     /// False for the no-op sink: the evaluator skips the work of reporting.
     const ENABLED: bool;
-    /// `bytes` are allocated as block `what` (nothing for 0 bytes).
-    fn alloc(&mut self, what: What, bytes: u64);
-    /// Block `what` is freed (nothing when it is not live).
-    fn free(&mut self, what: What);
+    /// `bytes` are allocated as block `what` at time `at` (nothing for 0 bytes).
+    fn alloc(&mut self, what: What, bytes: u64, at: f64);
+    /// Block `what` is freed at time `at` (nothing when it is not live).
+    fn free(&mut self, what: What, at: f64);
     /// Block `from`, still live, is known as `to` from now on (nothing when it is not live).
     fn rename(&mut self, from: What, to: What);
 }
@@ -106,9 +108,9 @@ pub struct NoEvents;
 impl MemoryEvents for NoEvents {
     const ENABLED: bool = false;
     #[inline(always)]
-    fn alloc(&mut self, _: What, _: u64) {}
+    fn alloc(&mut self, _: What, _: u64, _: f64) {}
     #[inline(always)]
-    fn free(&mut self, _: What) {}
+    fn free(&mut self, _: What, _: f64) {}
     #[inline(always)]
     fn rename(&mut self, _: What, _: What) {}
 }
@@ -124,6 +126,8 @@ pub struct Recorder {
     pub events: Vec<AllocEvent>,
     /// Per event, the block it allocates or frees.
     pub what: Vec<What>,
+    /// Per event, when it happens (seconds from the step's start).
+    pub times: Vec<f64>,
     /// The largest allocation (0: no limit).
     pub max_tensor: u64,
     /// Per live block: its first id, its number of pieces, its bytes.
@@ -143,7 +147,7 @@ impl Recorder {
 impl MemoryEvents for Recorder {
     const ENABLED: bool = true;
 
-    fn alloc(&mut self, what: What, bytes: u64) {
+    fn alloc(&mut self, what: What, bytes: u64, at: f64) {
         if bytes == 0 {
             return;
         }
@@ -156,17 +160,19 @@ impl MemoryEvents for Recorder {
             let size = if self.max_tensor > 0 { left.min(self.max_tensor) } else { left };
             self.events.push(AllocEvent::Alloc { id: self.next_id, size, stream: 0 });
             self.what.push(what);
+            self.times.push(at);
             self.next_id += 1;
             left -= size;
         }
         self.live.insert(what, (first, self.next_id - first, bytes));
     }
 
-    fn free(&mut self, what: What) {
+    fn free(&mut self, what: What, at: f64) {
         if let Some((first, pieces, _)) = self.live.remove(&what) {
             for id in first..first + pieces {
                 self.events.push(AllocEvent::Free { id });
                 self.what.push(what);
+                self.times.push(at);
             }
         }
     }
@@ -186,6 +192,8 @@ pub struct Sequence {
     pub constant: u64,
     pub events: Vec<AllocEvent>,
     pub what: Vec<What>,
+    /// Per event, when it happens (seconds from the step's start, non-decreasing).
+    pub times: Vec<f64>,
 }
 
 impl Sequence {
@@ -194,23 +202,37 @@ impl Sequence {
         Initial { allocated: self.constant, reserved: self.constant, free_blocks: Vec::new() }
     }
 
-    /// The largest sum of the constant memory and the live blocks' bytes (requested, not
-    /// rounded): the evaluator's `peak_bytes`.
-    pub fn requested_peak(&self) -> u64 {
+    /// After every event, the constant memory plus the live blocks' bytes (requested, not
+    /// rounded): the evaluator's memory count.
+    pub fn requested(&self) -> Vec<u64> {
         let mut size: HashMap<u64, u64> = HashMap::new();
-        let (mut cur, mut peak) = (self.constant, self.constant);
-        for e in &self.events {
-            match *e {
-                AllocEvent::Alloc { id, size: b, .. } => {
-                    size.insert(id, b);
-                    cur += b;
-                    peak = peak.max(cur);
+        let mut cur = self.constant;
+        self.events
+            .iter()
+            .map(|e| {
+                match *e {
+                    AllocEvent::Alloc { id, size: b, .. } => {
+                        size.insert(id, b);
+                        cur += b;
+                    }
+                    AllocEvent::Free { id } | AllocEvent::FreeRequested { id } => cur -= size.remove(&id).unwrap_or(0),
+                    AllocEvent::FreeCompleted { .. } => {}
                 }
-                AllocEvent::Free { id } | AllocEvent::FreeRequested { id } => cur -= size.remove(&id).unwrap_or(0),
-                AllocEvent::FreeCompleted { .. } => {}
-            }
-        }
-        peak
+                cur
+            })
+            .collect()
+    }
+
+    /// The largest of [`Sequence::requested`] and the constant memory: the evaluator's
+    /// `peak_bytes`.
+    pub fn requested_peak(&self) -> u64 {
+        self.requested().into_iter().fold(self.constant, u64::max)
+    }
+
+    /// The sequence simulated under `conf`, whose initial state is replaced by the constant
+    /// memory (the module's convention).
+    pub fn simulate(&self, conf: &AllocConf) -> Result<AllocStats> {
+        simulate(&self.events, &AllocConf { initial: self.initial(), segment_addresses: Vec::new(), ..conf.clone() })
     }
 }
 
@@ -228,7 +250,7 @@ pub fn allocation_sequence(
     if let Some(e) = rec.error {
         return Err(crate::error::CoreError::InvalidPlan(format!("allocation sequence: {e}")));
     }
-    Ok(Sequence { outcome, constant: g.constant, events: rec.events, what: rec.what })
+    Ok(Sequence { outcome, constant: g.constant, events: rec.events, what: rec.what, times: rec.times })
 }
 
 /// The reserved memory of a plan: its allocation sequence simulated under `conf` (the initial
@@ -242,7 +264,6 @@ pub fn reserved_peak(
     conf: &AllocConf,
 ) -> Result<(Sequence, AllocStats)> {
     let seq = allocation_sequence(g, actions, starts, budget, opts)?;
-    let conf = AllocConf { initial: seq.initial(), segment_addresses: Vec::new(), ..conf.clone() };
-    let stats = simulate(&seq.events, &conf)?;
+    let stats = seq.simulate(conf)?;
     Ok((seq, stats))
 }

@@ -263,11 +263,11 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         self.mem -= g.act[u] - keep;
         self.s.lingering[u] += keep;
         if E::ENABLED {
-            self.ev.free(What::Act(u));
+            self.ev.free(What::Act(u), self.t);
             if keep > 0 {
                 self.ev.rename(What::ActLinger(u), What::Lingering(u));
             } else {
-                self.ev.free(What::ActLinger(u));
+                self.ev.free(What::ActLinger(u), self.t);
             }
         }
     }
@@ -334,8 +334,8 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
 
     /// Unit `u`'s activations, resident as a whole, are freed.
     fn free_act(&mut self, u: usize) {
-        self.ev.free(What::Act(u));
-        self.ev.free(What::ActLinger(u));
+        self.ev.free(What::Act(u), self.t);
+        self.ev.free(What::ActLinger(u), self.t);
     }
 
     /// A recomputed unit's held inputs leave after its replay (or when it can no longer be
@@ -344,7 +344,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         if self.s.held[u] {
             self.s.held[u] = false;
             self.mem -= self.s.held_bytes[u];
-            self.ev.free(What::Held(u));
+            self.ev.free(What::Held(u), self.t);
         }
     }
 
@@ -388,7 +388,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.copies.push(CopyEvent { unit: u, to_host: false, queue: q, start, end, bytes: self.g.act[u] });
         }
         self.mem += self.g.act[u];
-        self.ev.alloc(What::Act(u), self.g.act[u]);
+        self.ev.alloc(What::Act(u), self.g.act[u], self.t);
         self.touch(self.mem);
         self.s.resident[u] = true;
         self.s.ready[u] = end;
@@ -453,20 +453,23 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         if E::ENABLED {
             // What the stage's backward has allocated, what the replay reads, its output, its
             // scratch; all but the output leave after it.
-            self.ev.alloc(What::BwdWork(i), g.bwd_transient[i]);
-            self.ev.alloc(What::ReplayGrad(i), g.grad[i]);
-            self.ev.alloc(What::Kept(u), kept);
-            self.ev.alloc(What::Regenerated(u), regenerated);
-            self.ev.alloc(What::Act(u), g.act[u]);
-            self.ev.alloc(What::ReplayWork(u), g.replay_extra[u]);
-            for w in [What::ReplayWork(u), What::Regenerated(u), What::Kept(u), What::ReplayGrad(i), What::BwdWork(i)] {
-                self.ev.free(w);
-            }
+            self.ev.alloc(What::BwdWork(i), g.bwd_transient[i], self.t);
+            self.ev.alloc(What::ReplayGrad(i), g.grad[i], self.t);
+            self.ev.alloc(What::Kept(u), kept, self.t);
+            self.ev.alloc(What::Regenerated(u), regenerated, self.t);
+            self.ev.alloc(What::Act(u), g.act[u], self.t);
+            self.ev.alloc(What::ReplayWork(u), g.replay_extra[u], self.t);
         }
         if self.record {
             self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
         }
         self.t += g.fwd_time[u];
+        if E::ENABLED {
+            // The transients leave when the replay ends (no other event comes between).
+            for w in [What::ReplayWork(u), What::Regenerated(u), What::Kept(u), What::ReplayGrad(i), What::BwdWork(i)] {
+                self.ev.free(w, self.t);
+            }
+        }
         self.recompute += g.fwd_time[u];
         self.s.replayed[u] = true;
         self.mem += g.act[u];
@@ -622,28 +625,29 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         sim.make_room(alloc + g.fwd_transient[i]);
         if E::ENABLED {
             if actions[i] == Action::Recompute {
-                sim.ev.alloc(What::Held(i), sim.s.held_bytes[i]);
-                sim.ev.alloc(What::HeldSaved(i), sim.s.held_saved[i]);
+                sim.ev.alloc(What::Held(i), sim.s.held_bytes[i], sim.t);
+                sim.ev.alloc(What::HeldSaved(i), sim.s.held_saved[i], sim.t);
             }
             // A unit whose activations leave in the forward: the bytes the forward still
             // references after its last reader are a block of their own.
             let linger = if actions[i] == Action::Retain { 0 } else { g.linger[i] };
-            sim.ev.alloc(What::Act(i), g.act[i] - linger);
-            sim.ev.alloc(What::ActLinger(i), linger);
+            sim.ev.alloc(What::Act(i), g.act[i] - linger, sim.t);
+            sim.ev.alloc(What::ActLinger(i), linger, sim.t);
             if !g.out_saved[i] {
-                sim.ev.alloc(What::Output(i), g.out[i]);
+                sim.ev.alloc(What::Output(i), g.out[i], sim.t);
             }
-            sim.ev.alloc(What::FwdWork(i), g.fwd_transient[i]);
-            sim.ev.free(What::FwdWork(i));
+            sim.ev.alloc(What::FwdWork(i), g.fwd_transient[i], sim.t);
         }
         sim.t += g.fwd_time[i];
+        // The stage's scratch leaves when its compute ends (no other event comes between).
+        sim.ev.free(What::FwdWork(i), sim.t);
         sim.mem += alloc;
         sim.s.resident[i] = true;
         sim.s.ready[i] = sim.t;
         for &u in &g.releases_after_fwd[i] {
             if !g.out_saved[u] {
                 sim.mem -= g.out[u];
-                sim.ev.free(What::Output(u));
+                sim.ev.free(What::Output(u), sim.t);
             }
             if actions[u] == Action::Recompute {
                 // Nothing of it stays (a unit without activations too): a replay of its run
@@ -669,7 +673,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         }
         for &u in &g.linger_release_after_fwd[i] {
             sim.mem -= std::mem::take(&mut sim.s.lingering[u]);
-            sim.ev.free(What::Lingering(u));
+            sim.ev.free(What::Lingering(u), sim.t);
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
@@ -720,11 +724,11 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         }
         sim.make_room(g.bwd_transient[i] + g.grad[i]);
         if E::ENABLED {
-            sim.ev.alloc(What::BwdWork(i), g.bwd_transient[i]);
-            sim.ev.alloc(What::Grad(i), g.grad[i]);
-            sim.ev.free(What::BwdWork(i));
+            sim.ev.alloc(What::BwdWork(i), g.bwd_transient[i], sim.t);
+            sim.ev.alloc(What::Grad(i), g.grad[i], sim.t);
         }
         sim.t += g.bwd_time[i];
+        sim.ev.free(What::BwdWork(i), sim.t);
         sim.mem += g.grad[i];
         for &u in &g.frees_after_bwd[i] {
             if sim.s.resident[u] {
@@ -739,7 +743,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         if actions[i] == Action::Recompute {
             sim.release_held(i);
             sim.mem -= std::mem::take(&mut sim.s.held_saved[i]);
-            sim.ev.free(What::HeldSaved(i));
+            sim.ev.free(What::HeldSaved(i), sim.t);
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);

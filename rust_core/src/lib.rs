@@ -10,7 +10,8 @@
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
 //! - [`planner`]: budget checks and method dispatch; [`plan`]: the Plan format.
-//! - [`alloc_sequence`]: the evaluator's allocation sequence; [`reserved`]: reserved-memory budgets.
+//! - [`alloc_sequence`]: the evaluator's allocation sequence; [`reserved`]: reserved-memory budgets;
+//!   [`memory_curve`]: allocated and reserved memory over the step.
 //! - [`allocator`]: reserved memory of an allocation sequence under PyTorch's caching allocator
 //!   or moDNN's offset pool; replay of recorded allocator traces.
 
@@ -20,6 +21,7 @@ pub mod allocator;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
+pub mod memory_curve;
 pub mod methods;
 pub mod peak;
 pub mod plan;

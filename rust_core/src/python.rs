@@ -128,9 +128,10 @@ fn parse_starts(g: &Graph, segment_starts: Option<Vec<usize>>) -> PyResult<Vec<b
 
 /// Evaluate a plan: returns the outcome as JSON text. With `reserved`, also the plan's reserved
 /// peak (`reserved_bytes`) and the allocator simulation (`allocator`) under `alloc_conf` (None:
-/// the profile's recorded settings).
+/// the profile's recorded settings); with `memory_curve` too, `memory_curve`: time, allocated
+/// and reserved bytes after every allocation event (crate::memory_curve).
 #[pyfunction]
-#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None, reserved=false, alloc_conf=None))]
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None, reserved=false, alloc_conf=None, memory_curve=false))]
 #[allow(clippy::too_many_arguments)]
 fn evaluate(
     py: Python<'_>,
@@ -141,18 +142,31 @@ fn evaluate(
     segment_starts: Option<Vec<usize>>,
     reserved: bool,
     alloc_conf: Option<String>,
+    memory_curve: bool,
 ) -> PyResult<String> {
+    if memory_curve && !reserved {
+        return Err(to_py(CoreError::InvalidSetting(
+            "memory_curve needs reserved=True (the curve is the allocator simulation's)".into(),
+        )));
+    }
     let (p, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
     let mut js = if reserved {
         let (text, conf) = crate::reserved::alloc_conf_for(&p, alloc_conf.as_deref()).map_err(to_py)?;
-        let (seq, stats) = py
-            .allow_threads(|| crate::alloc_sequence::reserved_peak(&g, &a, &starts, budget, &eval, &conf))
+        let (seq, (stats, curve)) = py
+            .allow_threads(|| -> crate::error::Result<_> {
+                let seq = crate::alloc_sequence::allocation_sequence(&g, &a, &starts, budget, &eval)?;
+                let simulated = crate::memory_curve::memory_curve(&seq, &conf)?;
+                Ok((seq, simulated))
+            })
             .map_err(to_py)?;
         let mut js = outcome_json(&seq.outcome);
         js["reserved_bytes"] = json!(stats.max_reserved);
         js["alloc_conf"] = json!(text);
         js["allocator"] = serde_json::to_value(&stats).expect("stats serialise");
+        if memory_curve {
+            js["memory_curve"] = json!(curve);
+        }
         js
     } else {
         outcome_json(&evaluate_segments(&g, &a, &starts, budget, &eval, &mut Scratch::new(g.n), true))
@@ -163,8 +177,8 @@ fn evaluate(
 
 /// The allocation sequence of a plan (docs/cost-model.md, "Reserved memory"): JSON text with
 /// `constant_bytes` (the simulator's initial live bytes), `events` (allocator events as
-/// `allocator_simulate` reads them), `what` (per event, the block: "act:3", "bwd_work:5", ...)
-/// and the evaluation's `peak_bytes`.
+/// `allocator_simulate` reads them), `what` (per event, the block: "act:3", "bwd_work:5", ...),
+/// `times` (per event, seconds from the step's start) and the evaluation's `peak_bytes`.
 #[pyfunction]
 #[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None))]
 fn allocation_sequence(
@@ -183,6 +197,7 @@ fn allocation_sequence(
         "end_bytes": seq.outcome.end_bytes,
         "events": seq.events,
         "what": seq.what.iter().map(|w| w.label()).collect::<Vec<_>>(),
+        "times": seq.times,
     })
     .to_string())
 }

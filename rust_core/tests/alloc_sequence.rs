@@ -1,13 +1,15 @@
-//! The evaluator's allocation sequence (rust_core/src/alloc_sequence.rs) and reserved budgets
-//! (rust_core/src/reserved.rs) on the builtin example profiles, under random plans.
+//! The evaluator's allocation sequence (rust_core/src/alloc_sequence.rs), the memory curve over
+//! the step (rust_core/src/memory_curve.rs) and reserved budgets (rust_core/src/reserved.rs) on
+//! the builtin example profiles, under random plans.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::path::PathBuf;
-use tensorplace_core::alloc_sequence::{allocation_sequence, reserved_peak};
+use tensorplace_core::alloc_sequence::{allocation_sequence, reserved_peak, What};
 use tensorplace_core::allocator::{simulate, AllocConf, AllocEvent, Model, MIB};
 use tensorplace_core::error::CoreError;
 use tensorplace_core::evaluator::{evaluate_segments, EvalOptions, Scratch};
+use tensorplace_core::memory_curve::memory_curve;
 use tensorplace_core::peak::{lower_bound, unplanned_peak};
 use tensorplace_core::plan::BudgetKind;
 use tensorplace_core::planner::{make_plan, PlanSettings};
@@ -105,6 +107,56 @@ fn the_sequence_follows_the_evaluators_memory_count_exactly() {
             assert!(seq.events.iter().all(|e| !matches!(*e, AllocEvent::Alloc { size, .. } if size > largest)));
         }
     }
+}
+
+#[test]
+fn the_memory_curve_follows_the_step_in_time() {
+    let mut checked = 0;
+    for (k, name) in MODELS.iter().enumerate() {
+        let p = load(name);
+        let g = p.graph().unwrap();
+        let (lb, up) = (lower_bound(&g).0, unplanned_peak(&g));
+        let mut rng = ChaCha8Rng::seed_from_u64(200 + k as u64);
+        for round in 0..6 {
+            let (actions, starts) = random_plan(&mut rng, g.n);
+            let budget = lb + ((up - lb) as f64 * rng.gen::<f64>()) as u64;
+            let seq = allocation_sequence(&g, &actions, &starts, budget, &EvalOptions::default()).unwrap();
+            let conf = AllocConf::from_alloc_conf(["", "expandable_segments:True"][round % 2]).unwrap();
+            let (stats, curve) = memory_curve(&seq, &conf).unwrap();
+            let o = &seq.outcome;
+            assert_eq!(stats, seq.simulate(&conf).unwrap(), "{name}: the curve's simulation is the plain one");
+            assert_eq!((seq.times.len(), curve.len()), (seq.events.len(), seq.events.len() + 1));
+            // In time order, from the step's start to its end.
+            assert_eq!((curve[0].time, curve[0].allocated, curve[0].reserved), (0.0, g.constant, g.constant));
+            assert!(curve.windows(2).all(|w| w[0].time <= w[1].time), "{name}");
+            assert!(curve.last().unwrap().time <= o.step_time);
+            // Reserved covers allocated at every point; the peaks are the simulation's and the
+            // evaluation's; the step ends with the evaluation's end memory.
+            assert!(curve.iter().all(|m| m.reserved >= m.allocated), "{name} round {round}");
+            assert_eq!(curve.iter().map(|m| m.reserved).max(), Some(stats.max_reserved));
+            assert_eq!(curve.iter().map(|m| m.allocated).max(), Some(o.peak_bytes));
+            assert_eq!(curve.last().unwrap().allocated, o.end_bytes);
+            // A forward's scratch lives through its compute, a replay's through the replay.
+            let mut born = std::collections::HashMap::new();
+            for (e, (&what, &t)) in seq.events.iter().zip(seq.what.iter().zip(&seq.times)) {
+                match *e {
+                    AllocEvent::Alloc { id, .. } => {
+                        born.insert(id, t);
+                    }
+                    AllocEvent::Free { id } => {
+                        let lasted = match what {
+                            What::FwdWork(u) | What::ReplayWork(u) => g.fwd_time[u],
+                            _ => continue,
+                        };
+                        assert_eq!(t, born[&id] + lasted, "{name}: {}", what.label());
+                        checked += 1;
+                    }
+                    _ => unreachable!(),
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "too few transients to check ({checked})");
 }
 
 #[test]

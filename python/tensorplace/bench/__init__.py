@@ -7,17 +7,21 @@ from a shell.
     tensorplace-bench plan r18.profile.json --budget 6GiB -o r18.plan.json   # anywhere
     tensorplace-bench maxbatch --model resnet18 --memory 300MiB   # largest batch per method, measured
     tensorplace-bench maxbatch --builtin vgg16 --memory 11GiB     # the same, predicted on a builtin profile
-    tensorplace-bench compare --model resnet50   # methods side by side on a builtin profile
-    tensorplace-bench convergence --model inception_v3 --png conv.png
-    tensorplace-bench timeline --model resnet50 --png timeline.png
+    tensorplace-bench compare --builtin resnet50   # methods side by side on a builtin profile (predicted)
+    tensorplace-bench compare --model resnet18     # ... on a real model, profiled here first
+    tensorplace-bench convergence --builtin inception_v3 --png conv.png
+    tensorplace-bench timeline --profile r18.profile.json --png timeline.png
     tensorplace-bench peers --model gpt          # against torch's checkpointing and save_on_cpu, measured
-    tensorplace-bench allocator ...              # caching-allocator simulation of traces (its own --help)
+    tensorplace-bench allocator TRACE...         # caching-allocator simulation of recorded traces
     tensorplace-bench models                     # the model zoo
 
 Real models (``--model``): the package's examples (gpt, tinygpt, inception), any torchvision
 classification model by name, or your own as ``package.module:factory``; inputs are synthetic.
-Every subcommand takes ``--json PATH`` and writes the figures it prints there (with the command
-line, the device and the versions). Measured figures are labelled with the device.
+compare, convergence, timeline and maxbatch also take ``--builtin NAME`` (a builtin modelled
+profile) or ``--profile FILE`` (a saved one). Every subcommand takes ``--json PATH`` and writes
+the figures it prints there (with the command line, the device and the versions; ``--json -``
+writes them to stdout and everything else to stderr). Measured figures are labelled with the
+device.
 
 Adding a subcommand: write a module with ``add_cli(subparsers)`` that adds its parser and sets
 ``fn`` (``p.set_defaults(fn=...)``), a function taking the parsed arguments and returning the exit
@@ -30,13 +34,14 @@ every subcommand by ``main``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from .. import allocator
 from ..methods import bench as methods_bench
 from . import accuracy, budgets, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
-from .common import HOST_MALLOC_MODES, Output, host_malloc, versions, where
+from .common import HOST_MALLOC_MODES, STDOUT, Output, dump_json, host_malloc, versions, where
 
 # One line per subcommand: its module's add_cli(subparsers).
 COMMANDS: List[Callable[[Any], None]] = [
@@ -64,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
         add_cli(sub)
     for p in sub.choices.values():
         if not any("--json" in act.option_strings for act in p._actions):
-            p.add_argument("--json", metavar="PATH", help="write the figures this command prints to PATH as JSON")
+            p.add_argument("--json", metavar="PATH",
+                           help="write the figures this command prints to PATH as JSON ('-': to stdout, "
+                                "and what it prints to stderr)")
             p.set_defaults(_bench_json=True)  # commands with their own --json write it themselves
         p.add_argument("--host-malloc", choices=HOST_MALLOC_MODES, default="keep",
                        help="keep: the C heap keeps freed memory, as a GPU's caching allocator does, so that "
@@ -80,11 +87,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     heap = host_malloc(a.host_malloc)
     header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions(), "host_malloc": heap} if path else {}
     a.out = Output(path, header)
+    stdout = sys.stdout
     rc = 1
     try:
-        rc = int((getattr(a, "fn", None) or a.func)(a))
+        # --json -: stdout carries the JSON alone
+        with contextlib.redirect_stdout(sys.stderr) if path == STDOUT else contextlib.nullcontext():
+            rc = int((getattr(a, "fn", None) or a.func)(a))
     finally:
         a.out.flush(exit_code=rc)
+        if path == STDOUT:
+            dump_json(a.out.payload(exit_code=rc), stdout)
     return rc
 
 

@@ -117,8 +117,9 @@ def cmd_budgets(a: argparse.Namespace) -> int:
             if name not in zoo.MODELS:
                 raise SystemExit(f"--model {name!r}: not in the zoo ({', '.join(zoo.names())})")
             model, inputs, loss_fn = zoo.build(name, batch=a.batch)
-            rows = check_model(model, inputs, loss_fn, backend=backend, method=a.method,
-                               search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed})
+            with common.progress(f"{name}: planning and measuring at three budgets"):
+                rows = check_model(model, inputs, loss_fn, backend=backend, method=a.method,
+                                   search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed})
             results[name] = rows
             for r in rows:
                 ok = row_ok(r)

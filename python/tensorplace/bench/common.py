@@ -61,11 +61,14 @@ def search_settings(a: argparse.Namespace) -> Dict[str, Any]:
 # --- output ---------------------------------------------------------------------------------
 
 
+STDOUT = "-"  # `--json -`: the figures go to stdout at the end, everything printed to stderr
+
+
 class Output:
     """The figures a subcommand prints, collected for ``--json``: ``out[key] = value``,
     ``out.append(key, row)``. With a path, the file is rewritten after every change, so a run
     that dies later keeps what it measured; the bench's main writes it once more at the end
-    with the exit code."""
+    with the exit code (for ``-``, only then, to stdout)."""
 
     def __init__(self, path: Optional[str] = None, header: Optional[Dict[str, Any]] = None) -> None:
         self.path = path
@@ -87,9 +90,12 @@ class Output:
         self.data.setdefault(key, []).append(value)
         self.flush()
 
+    def payload(self, **extra: Any) -> Dict[str, Any]:
+        return {**self.header, **extra, **self.data}
+
     def flush(self, **extra: Any) -> None:
-        if self.path:
-            write_json(self.path, {**self.header, **extra, **self.data})
+        if self.path and self.path != STDOUT:
+            write_json(self.path, self.payload(**extra))
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -185,7 +191,8 @@ _FORCE_PROGRESS = False  # tests: draw the bars even when stderr is no terminal
 @contextlib.contextmanager
 def progress(description: str, total: Optional[float] = None) -> Iterator[_Bar]:
     """A rich progress bar on stderr (a spinner when `total` is None) for work that takes more
-    than a second or two; it disappears when done and shows nothing when stderr is no terminal."""
+    than a second or two; it disappears when done and shows nothing when stderr is no terminal.
+    What is printed meanwhile stays on stdout."""
     try:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -204,8 +211,11 @@ def progress(description: str, total: Optional[float] = None) -> Iterator[_Bar]:
     if not console.is_terminal:
         yield _Bar(None, None)
         return
+    # what is printed meanwhile goes through the live display only when stdout is a terminal
+    # too; else (a pipe, a file) it would be moved to stderr
+    same_screen = bool(getattr(sys.stdout, "isatty", lambda: False)())
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as p:
+                  console=console, transient=True, redirect_stdout=same_screen) as p:
         _ACTIVE = p
         try:
             yield _Bar(p, p.add_task(description, total=total))
@@ -429,8 +439,12 @@ def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes
         elif spec in torchvision_names():
             model, inputs, loss_fn = _torchvision(spec, b, image, classes)
         else:
+            from .. import examples
+
             close = [n for n in zoo() if spec.lower() in n or n in spec.lower()][:6]
             hint = f" Close names: {', '.join(close)}." if close else ""
+            if spec in examples.names():
+                hint += f" {spec!r} is a builtin modelled profile: pass --builtin {spec} where the command takes it."
             raise SystemExit(
                 f"unknown model {spec!r}: use one of {', '.join(_OWN)}, a torchvision model name "
                 f"(e.g. resnet18, vit_b_16; `tensorplace-bench models` lists them), or an import path "
@@ -441,12 +455,15 @@ def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes
     return build(batch)
 
 
-def model_args(p: argparse.ArgumentParser, batch: int = 32) -> None:
-    """--model and its input options."""
-    p.add_argument("--model", default="resnet18",
-                   help="a zoo name (gpt, gpt12, tinygpt, inception, any torchvision model: resnet18, ...; "
-                        "tensorplace.zoo's models: unet, lstm, ..., zoo.NAME where torchvision has NAME too) or "
-                        "'package.module:factory' (default resnet18; `tensorplace-bench models` lists them)")
+def model_args(p: argparse.ArgumentParser, batch: int = 32, default: Optional[str] = "resnet18",
+               group: Optional[Any] = None) -> None:
+    """--model (into `group`, a mutually exclusive group, when given) and its input options."""
+    (group or p).add_argument(
+        "--model", default=default,
+        help="a real model: a zoo name (gpt, gpt12, tinygpt, inception, any torchvision model: resnet18, ...; "
+             "tensorplace.zoo's models: unet, lstm, ..., zoo.NAME where torchvision has NAME too) or "
+             f"'package.module:factory'{f' (default {default})' if default else ''}; "
+             "`tensorplace-bench models` lists them")
     p.add_argument("--batch", type=positive_int, default=batch, help=f"batch size (default {batch})")
     p.add_argument("--image", type=positive_int, default=128, help="image side for image models (default 128)")
     p.add_argument("--seq", type=positive_int, default=256, help="sequence length for token models (default 256)")
@@ -455,10 +472,14 @@ def model_args(p: argparse.ArgumentParser, batch: int = 32) -> None:
                    help="per-sample input shape for a factory that returns a bare module, e.g. 3x64x64")
 
 
+def repeats_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps, median taken (default 3)")
+
+
 def real_args(p: argparse.ArgumentParser, batch: int = 32, search: Optional[Tuple[int, int]] = (200, 200)) -> None:
     """--model and its input options, --repeats, and the search settings."""
     model_args(p, batch)
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps, median taken (default 3)")
+    repeats_arg(p)
     if search is not None:
         search_args(p, *search)
 
@@ -572,8 +593,12 @@ def with_block_checkpoints(model: Any) -> Tuple[Any, int]:
 
 def write_json(path: str, payload: Dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, default=str)
-        f.write("\n")
+        dump_json(payload, f)
+
+
+def dump_json(payload: Dict[str, Any], f: Any) -> None:
+    json.dump(payload, f, indent=1, default=str)
+    f.write("\n")
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -588,29 +613,39 @@ def eprint(*args: Any) -> None:
 
 
 def builtin_profile(text: str) -> str:
-    """A builtin modelled profile's name; for any other name, how to get a real model's profile."""
+    """A builtin modelled profile's name (--builtin); for a real model's name, says to use --model."""
     from .. import examples
 
     if text in examples.names():
         return text
-    real = ":" in text or text in _OWN or text in torchvision_names() or (
-        text.startswith(ZOO_PREFIX) and text[len(ZOO_PREFIX):] in _zoo_names())
-    how = (f"; {text!r} is a real model: profile it first, `tensorplace-bench profile --model {text} -o p.json`, "
-           "then pass --profile p.json" if real else "")
+    how = f"; {text!r} is a real model: pass --model {text}" if _real_model_name(text) else ""
     raise argparse.ArgumentTypeError(
         f"{text!r} is not a builtin profile (choose from {', '.join(examples.names())}){how}")
 
 
-def profile_source_args(p: argparse.ArgumentParser, default: str, batch: int = 32) -> None:
-    """--model (a builtin modelled profile) or --profile (a saved profile file), and --batch."""
+def _real_model_name(text: str) -> bool:
+    return ":" in text or text in _OWN or text in torchvision_names() or (
+        text.startswith(ZOO_PREFIX) and text[len(ZOO_PREFIX):] in _zoo_names())
+
+
+def profile_source_args(p: argparse.ArgumentParser, default_builtin: Optional[str], batch: int = 32,
+                        profiles: int = 1) -> None:
+    """Where the profile comes from, one of: --model (a real model, profiled here with its input
+    options and --repeats), --builtin (a builtin modelled profile, at --batch) or --profile (a
+    saved profile; `profiles` files). Without any: the builtin `default_builtin`, or the real
+    model resnet18 when it is None."""
     from .. import examples
 
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", default=default, type=builtin_profile, metavar="BUILTIN",
-                   help=f"a builtin modelled profile: {', '.join(examples.names())} (default {default}); "
-                        "for a real model, save its profile with `tensorplace-bench profile` and pass --profile")
-    g.add_argument("--profile", metavar="FILE", help="a profile saved by `tensorplace-bench profile` instead")
-    p.add_argument("--batch", type=positive_int, default=batch, help=f"batch of the builtin profile (default {batch})")
+    model_args(p, batch, default=None if default_builtin else "resnet18", group=g)
+    g.add_argument("--builtin", type=builtin_profile, default=None, metavar="NAME",
+                   help=f"a builtin modelled profile: {', '.join(examples.names())}"
+                        + (f" (the default: {default_builtin})" if default_builtin else ""))
+    what = "a profile" if profiles == 1 else f"{profiles} profiles of one model at different batches"
+    g.add_argument("--profile", metavar="FILE", nargs=None if profiles == 1 else profiles,
+                   help=f"{what} saved by `tensorplace-bench profile`")
+    repeats_arg(p)
+    p.set_defaults(default_builtin=default_builtin)
 
 
 def read_profile(path: str, what: str, hint: str = "") -> Dict[str, Any]:
@@ -627,13 +662,17 @@ def read_profile(path: str, what: str, hint: str = "") -> Dict[str, Any]:
 
 
 def load_source(a: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:
-    """(label, profile) from --model / --profile."""
+    """(label, profile) from --profile, --model (profiled here, with a spinner) or --builtin."""
     from .. import examples
 
-    if getattr(a, "profile", None):
+    if a.profile:
         prof = read_profile(a.profile, "--profile")
         return f"{prof.get('model', a.profile)} batch {prof.get('batch_size')}", prof
-    return f"{a.model} batch {a.batch}", examples.profile(a.model, batch_size=a.batch)
+    if a.model:
+        rm = model_from_args(a)
+        return f"{rm.name} batch {rm.batch}", profile(rm, a.repeats)
+    name = a.builtin or a.default_builtin
+    return f"{name} batch {a.batch}", examples.profile(name, batch_size=a.batch)
 
 
 PSEUDO_METHODS = ("unplanned", "torch-checkpoint")

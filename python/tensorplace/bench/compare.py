@@ -13,7 +13,8 @@ from . import common
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    """Every method on one builtin or saved profile at several budgets (predicted by the cost model)."""
+    """Every method on one profile (a real model's, profiled here; a builtin or a saved one) at several
+    budgets (predicted by the cost model)."""
     label, prof = common.load_source(a)
     lb, up = lower_bound(prof), unplanned_peak(prof)
     rows = []
@@ -47,7 +48,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 
 def add_cli(sub: Any) -> None:
-    c = sub.add_parser("compare", help="methods side by side on a builtin or saved profile (predicted)",
+    c = sub.add_parser("compare", help="methods side by side on a model's profile (predicted)",
                        description=cmd_compare.__doc__)
     common.profile_source_args(c, "resnet50")
     c.add_argument("--fractions", type=common.fraction, nargs="+", default=[0.25, 0.5, 0.75],

@@ -7,7 +7,8 @@ measured peak is over the budget), with the measured throughput. Next to the pla
 ``unplanned`` (plain steps) and ``torch-checkpoint`` (torch.utils.checkpoint around each repeated
 block), whose batches come from measured peaks at the probe batches, confirmed the same way.
 
-On a builtin modelled profile (``--builtin``): predicted only, by bisection on the batch.
+On a builtin modelled profile (``--builtin``), or on two saved profiles of a model at different
+batches (``--profile A B``, extrapolated as above): predicted only, by bisection on the batch.
 """
 
 from __future__ import annotations
@@ -92,16 +93,31 @@ def bisect_batch(fits: Callable[[int], Optional[float]], cap: int) -> Tuple[int,
     return lo, t
 
 
-# --- builtin profiles (predicted) -------------------------------------------------------------
+# --- builtin or saved profiles (predicted) ---------------------------------------------------
 
 
-def _builtin(a: argparse.Namespace, methods: List[str]) -> int:
+def saved_profiles(paths: List[str]) -> Tuple[str, Callable[[int], Dict[str, Any]]]:
+    """(label, profile at a batch) from two saved profiles of one model at different batches."""
+    p1, p2 = sorted((common.read_profile(path, "--profile") for path in paths), key=lambda p: p.get("batch_size") or 0)
+    b1, b2 = p1.get("batch_size"), p2.get("batch_size")
+    if not b1 or b1 == b2:
+        raise SystemExit(f"--profile: give two profiles of one model at different batch sizes (these have {b1} and "
+                         f"{b2}), e.g. from `tensorplace-bench profile --batch 4 ...` and `... --batch 8 ...`")
+    try:
+        extrapolate(p1, b1, p2, b2, b2)
+    except ValueError as e:
+        raise SystemExit(f"--profile: {e}") from None
+    return f"{p2.get('model')} (profiles at batches {b1} and {b2})", lambda b: extrapolate(p1, b1, p2, b2, b)
+
+
+def _predicted(a: argparse.Namespace, methods: List[str], label: str,
+               profile_at: Callable[[int], Dict[str, Any]]) -> int:
     memory = a.memory
     rows = []
 
     def fits_fn(method: str) -> Callable[[int], Optional[float]]:
         def fits(batch: int) -> Optional[float]:
-            prof = examples.profile(a.builtin, batch_size=batch)
+            prof = profile_at(batch)
             if method == "unplanned":
                 return evaluate(prof, ["retain"] * len(prof["units"]), memory)["step_time"] if unplanned_peak(prof) <= memory else None
             try:
@@ -119,8 +135,8 @@ def _builtin(a: argparse.Namespace, methods: List[str]) -> int:
             rows.append([method, b, "-" if t is None else f"{b / t:.0f}"])
             a.out.append("rows", {"method": method, "max_batch": b, "predicted_step_time": t,
                                   "predicted_samples_per_s": None if t is None else b / t})
-    common.table(f"{a.builtin}: largest batch in {format_bytes(memory)} (predicted)", ["method", "max batch", "samples/s"], rows)
-    a.out.update(model=a.builtin, memory_bytes=memory, mode="builtin, predicted")
+    common.table(f"{label}: largest batch in {format_bytes(memory)} (predicted)", ["method", "max batch", "samples/s"], rows)
+    a.out.update(model=label, memory_bytes=memory, mode="predicted")
     return 0
 
 
@@ -280,20 +296,21 @@ def cmd_maxbatch(a: argparse.Namespace) -> int:
     a.probe_batches = sorted(a.probe_batches)
     extra = common.PSEUDO_METHODS
     methods = common.known_methods(a.methods, a, extra=extra)
-    if a.builtin:
-        dropped = [m for m in methods if m == "torch-checkpoint"]
-        if dropped:
-            print("skipping torch-checkpoint: it is measured on a real model (--model), not on a builtin profile")
+    if a.builtin or a.profile:
+        if "torch-checkpoint" in methods:
+            print("skipping torch-checkpoint: it is measured on a real model (--model), not predicted on a profile")
             a.out.append("skipped_methods", "torch-checkpoint")
-        return _builtin(a, [m for m in methods if m != "torch-checkpoint"])
+        label, profile_at = ((a.builtin, lambda b: examples.profile(a.builtin, batch_size=b)) if a.builtin
+                             else saved_profiles(a.profile))
+        return _predicted(a, [m for m in methods if m != "torch-checkpoint"], label, profile_at)
     return _real(a, methods)
 
 
 def add_cli(sub: Any) -> None:
     m = sub.add_parser("maxbatch", help="largest batch per method in a memory budget (real model: measured)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.real_args(m, batch=4, search=(50, 50))
-    m.add_argument("--builtin", choices=examples.names(), help="a builtin modelled profile instead of --model (predicted only)")
+    common.profile_source_args(m, None, batch=4, profiles=2)
+    common.search_args(m, 50, 50)
     m.add_argument("--memory", type=common.budget, required=True, help="the device memory budget, e.g. 300MiB or 11GiB")
     m.add_argument("--methods", nargs="+",
                    default=["pso", "swap-all", "recompute-all", "checkpoint-blocks", "torch-checkpoint", "unplanned"],

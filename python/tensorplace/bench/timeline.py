@@ -1,7 +1,7 @@
 """``timeline``: one training step under a plan, as the cost model plays it: the compute stream,
-the copy stream and the memory curve against the budget (a table, and a PNG with --png).
-The reserved memory of the plan's allocations under PyTorch's caching allocator (simulated,
-tensorplace.allocator) is given as its peak, not yet as a curve over the step."""
+the copy stream and the memory curve against the budget (a table, and a PNG with --png). The
+curve is allocated memory and the memory PyTorch's caching allocator reserves for the plan's
+allocations (simulated, tensorplace.allocator), after every allocation and free."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ def _source(a: argparse.Namespace) -> Tuple[str, Dict[str, Any], Optional[Plan]]
     if not a.plan:
         label, prof = common.load_source(a)
         return label, prof, None
+    if a.model:
+        raise SystemExit("--plan draws the plan on the profile it carries, or on --profile FILE / --builtin NAME; "
+                         "not on --model, whose new profile would not be the plan's")
     try:
         plan = Plan.load(a.plan)
     except FileNotFoundError:
@@ -25,7 +28,7 @@ def _source(a: argparse.Namespace) -> Tuple[str, Dict[str, Any], Optional[Plan]]
     except (PlannerError, ValueError) as e:
         raise SystemExit(f"--plan {a.plan!r} is not a valid plan: {e}") from None
     data = plan.to_dict()
-    if a.profile:
+    if a.profile or a.builtin:
         label, prof = common.load_source(a)
     elif "profile" in data:
         prof = data["profile"]
@@ -91,14 +94,20 @@ def draw(path: str, title: str, prof: Dict[str, Any], ev: Dict[str, Any], base: 
             ys += [s[key] / 2**20, s[key] / 2**20]
         return xs, ys
 
-    xs, ys = steps(stages, "peak")
-    mem.plot(xs, ys, color="tab:blue", label="allocated, planned (stage peak)")
-    mem.fill_between(xs, ys, color="tab:blue", alpha=0.15)
+    curve = ev.get("memory_curve")
+    if curve:  # after every allocation and free, the last point held to the step's end
+        xs = [p["time"] * 1e3 for p in curve] + [ev["step_time"] * 1e3]
+        ys, rs = ([p[key] / 2**20 for p in curve + curve[-1:]] for key in ("allocated", "reserved"))
+        mem.step(xs, rs, where="post", color="tab:purple", linewidth=1,
+                 label=f"reserved, planned (caching allocator, simulated; peak {format_bytes(ev['reserved_bytes'])})")
+        mem.step(xs, ys, where="post", color="tab:blue", linewidth=1, label="allocated, planned")
+        mem.fill_between(xs, ys, step="post", color="tab:blue", alpha=0.15)
+    else:  # no allocator simulation: the stages' peaks
+        xs, ys = steps(stages, "peak")
+        mem.plot(xs, ys, color="tab:blue", label="allocated, planned (stage peak)")
+        mem.fill_between(xs, ys, color="tab:blue", alpha=0.15)
     bxs, bys = steps(stage_intervals(prof, base), "peak")
-    mem.plot(bxs, bys, color="grey", linestyle="--", linewidth=1, label="allocated, unplanned")
-    if ev.get("reserved_bytes") is not None:  # the peak only: the allocation sequence has no stage times
-        mem.axhline(ev["reserved_bytes"] / 2**20, color="tab:blue", linestyle=":", linewidth=1,
-                    label=f"reserved peak, planned (simulated) {format_bytes(ev['reserved_bytes'])}")
+    mem.plot(bxs, bys, color="grey", linestyle="--", linewidth=1, label="allocated, unplanned (stage peak)")
     mem.axhline(budget / 2**20, color="tab:red", linewidth=1, label=f"budget {format_bytes(budget)}")
     mem.set_xlabel("time in the step (ms, predicted)")
     mem.set_ylabel("device memory (MiB)")
@@ -123,9 +132,9 @@ def cmd_timeline(a: argparse.Namespace) -> int:
             return 1
         actions, method, starts = p.actions, p.method, p.segment_starts
     # the plan's own checkpoint segments (sqrt's differ from the profile's blocks, evaluate's default);
-    # reserved: the caching allocator's reserved peak of the plan's allocations, simulated
+    # reserved: the caching allocator's reserved memory of the plan's allocations over the step, simulated
     try:
-        planned = evaluate(prof, actions, budget, segment_starts=starts or None, reserved=True)
+        planned = evaluate(prof, actions, budget, segment_starts=starts or None, reserved=True, memory_curve=True)
     except PlannerError as e:  # e.g. allocator settings in the profile the simulation does not model
         print(f"no reserved-memory figure: {e}")
         planned = evaluate(prof, actions, budget, segment_starts=starts or None)
@@ -148,7 +157,7 @@ def cmd_timeline(a: argparse.Namespace) -> int:
           f"recompute {common.ms(planned['recompute'])} ms; peak {format_bytes(planned['peak_bytes'])} at {planned['peak_stage']}"
           + (f"; reserved {format_bytes(reserved)} (caching allocator, simulated; alloc_conf "
              f"{planned.get('alloc_conf') or 'default'})" if reserved is not None else ""))
-    a.out.update(profile=label, method=method, budget_bytes=budget, lower_bound_bytes=lb, unplanned_peak_bytes=up,
+    a.out.update(profile=label, method=method, actions=actions, budget_bytes=budget, lower_bound_bytes=lb, unplanned_peak_bytes=up,
                       stages=stages, planned=planned, unplanned=unplanned, copy_seconds={"d2h": d2h, "h2d": h2d},
                       reserved_peak_bytes=reserved)
     if a.png:
@@ -161,7 +170,7 @@ def add_cli(sub: Any) -> None:
     t = sub.add_parser("timeline", help="one step under a plan: streams and memory over time (and a PNG)",
                        description=cmd_timeline.__doc__)
     common.profile_source_args(t, "resnet50")
-    t.add_argument("--plan", metavar="FILE", help="draw this saved plan (its own profile, or --profile)")
+    t.add_argument("--plan", metavar="FILE", help="draw this saved plan (on its own profile, or --profile / --builtin)")
     t.add_argument("--method", default="pso", help="method to plan with when no --plan is given (default pso)")
     t.add_argument("--fraction", type=common.fraction, default=0.5,
                    help="budget position between the lower bound (0) and the unplanned peak (1); default 0.5")

@@ -133,9 +133,13 @@ def cmd_methods(a: argparse.Namespace) -> int:
             for line in f:
                 r = json.loads(line)
                 done[(r["profile"], float(r["fraction"]), r["method"])] = r
-    recs = run_methods(
-        a.models, a.files, a.fractions, a.methods, a.batch, a.time_limit, a.particles, a.iterations, done, a.json
-    )
+    from ..bench.common import progress
+
+    runs = (len(a.models) + len(a.files)) * len(a.fractions) * len(a.methods)
+    with progress(f"planning: {runs} (profile, budget, method) runs"):
+        recs = run_methods(
+            a.models, a.files, a.fractions, a.methods, a.batch, a.time_limit, a.particles, a.iterations, done, a.json
+        )
     print(markdown(recs, a.baseline))
     return 0
 
