@@ -266,11 +266,9 @@ def test_steady_steps_of_a_recompute_plan_track_only_the_recomputed_segments() -
     planned.close()
 
 
-def test_steady_steps_reuse_the_replays_rng_buffers_and_train_as_unplanned() -> None:
-    """Recomputed units keep the CPU generator's state from the forward to their replay in
-    buffers that the executor reuses step after step (a fresh small tensor per unit and step,
-    held to the backward, fragments the C heap: see _StepState.keep_rng_state). Dropout in the
-    replayed units must still draw what the forward drew."""
+def test_steady_steps_of_a_recompute_plan_with_dropout_train_as_unplanned() -> None:
+    """Dropout in replayed units draws what the forward drew, step after step (the replays
+    restore the generator state kept at each recomputed unit's start)."""
     def build() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.ReLU(), nn.Linear(32, 32), nn.Dropout(0.3),
@@ -279,7 +277,6 @@ def test_steady_steps_reuse_the_replays_rng_buffers_and_train_as_unplanned() -> 
     x, y = torch.randn(8, 16), torch.tensor([0, 1, 2, 3] * 2)
     plain, model = build(), build()
     planned = PlannedModule(model, ["recompute"] * 5 + ["retain"], backend=CpuBackend())
-    pools = []
     for step in range(3):
         torch.manual_seed(step)
         want = loss_fn(plain(x), y)
@@ -292,10 +289,6 @@ def test_steady_steps_reuse_the_replays_rng_buffers_and_train_as_unplanned() -> 
         for p, q in zip(plain.parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad)
             p.grad = q.grad = None
-        pools.append({id(t) for t in planned.executor._rng_pool})
-    assert len(pools[0]) == 5 and pools[1] == pools[0] and pools[2] == pools[0]
-    # what measured steps count as the executor's own memory (unplanned_step_stats)
-    assert planned.held_device_bytes() == 5 * torch.get_rng_state().numel()
     planned.close()
 
 

@@ -541,8 +541,6 @@ class _UnitRuntime:
         if self.inputs_released:
             return
         self.inputs_released = True
-        if self.rng_cpu is not None:
-            self.state.rng_pool.append(self.rng_cpu)
         self.rng_cpu = None
         self.rng_cuda = []
         for ref in self.seg.inputs:
@@ -819,20 +817,7 @@ class _StepState:
         self.finished = False  #: a backward of this step ran to its end
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
-        self.rng_pool = ex._rng_pool
         self.replay_anchor = ex._replay_anchor
-
-    def keep_rng_state(self) -> torch.Tensor:
-        """The CPU generator's state now, in a buffer of the executor's pool. The buffers go
-        back to the pool when their replay is done, so steady steps allocate none: a small tensor
-        made at every recomputed unit and held to the backward would land in the holes that the
-        forward's freed activations leave in the C heap, split them, and make the next large
-        allocations grow the heap (page faults every step on the CPU)."""
-        now = torch.get_rng_state()
-        if not self.rng_pool:
-            return now
-        buf = self.rng_pool.pop()
-        return buf.copy_(now) if buf.shape == now.shape else now
 
     def drop(self, unit: int, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -1117,7 +1102,7 @@ class _PlanTracker(UnitTracker):
             rt = self._runtime_for(self.segments[index])
             assert rt is not None
             rt.grad_enabled = torch.is_grad_enabled()
-            rt.rng_cpu = self.state.keep_rng_state()
+            rt.rng_cpu = torch.get_rng_state()
             devices = sorted({ref.device.index or 0 for ref in self.segments[index].inputs if ref.device.type == "cuda"})
             if devices and torch.cuda.is_available():
                 rt.rng_cuda = [(d, torch.cuda.get_rng_state(d)) for d in devices]
@@ -1693,17 +1678,8 @@ class Executor:
         self._cell: List[Optional[_LeanStep]] = [None]  # the armed step, read by the unit hooks
         self._hooks: List[Any] = []
         self._hooks_finalizer: Optional[weakref.finalize] = None
-        #: RNG-state buffers of replays done, reused by the next step's recomputed units
-        self._rng_pool: List[torch.Tensor] = []
-        #: the leaf every replay attaches its held inputs to (_Attach); made once, as the pool
+        #: the leaf every replay attaches its held inputs to (_Attach), made once
         self._replay_anchor = torch.zeros((), requires_grad=True)
-
-    def held_device_bytes(self) -> int:
-        """Bytes of the model's device held by the executor between steps (PlannedModule)."""
-        p = next(self.model.parameters(), None)
-        if p is not None and p.device.type != "cpu":
-            return 0  # the generator states are CPU tensors: host memory there
-        return sum(t.untyped_storage().nbytes() for t in self._rng_pool)
 
     @property
     def backend(self) -> Any:
@@ -1895,11 +1871,6 @@ class PlannedModule(nn.Module):
     def last_stats(self) -> Optional[StepStats]:
         """What the latest planned step did (its backward fills in the rest)."""
         return self.executor.last_stats
-
-    def held_device_bytes(self) -> int:
-        """Bytes of the model's device that the executor keeps between steps: on a CPU, the
-        pooled generator-state buffers of replays (the profile's ``memory.replay_states``)."""
-        return self.executor.held_device_bytes()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.model.training or not torch.is_grad_enabled():

@@ -101,9 +101,6 @@ Constant memory
 - inputs: bytes of the storages of the example input tensors.
 - workspace: on a GPU, what is allocated when the step starts beyond the above (cuBLAS keeps a
   workspace per handle, allocated before the first step); 0 on a CPU.
-- replay_states (measured steps of a planned model only, `unplanned_step_stats`): what its
-  executor keeps on the device between steps (`held_device_bytes`: on a CPU, the pooled
-  generator-state buffers of replays; docs/cost-model.md).
 
 Environment
 -----------
@@ -936,9 +933,6 @@ def _constant_memory(model: nn.Module, args: Sequence[Any], optimizer: Any,
         "inputs": _storage_bytes(inputs),
         "workspace": 0,
     }
-    held = getattr(model, "held_device_bytes", None)
-    if callable(held):  # a planned model: what its executor keeps on the device between steps
-        out["replay_states"] = int(held())
     if at_start is not None:
         out["workspace"] = max(0, int(at_start) - sum(out.values()))
     return out
