@@ -153,7 +153,7 @@ def host_malloc(mode: str) -> str:
     mmap'd blocks), as a GPU's caching allocator keeps device memory. With glibc's defaults a CPU
     step pays page faults whenever a free leaves a large block at the top of the heap, and how
     often that happens depends on the order of allocations, not on the plan's memory: measured on
-    this CPU, the GPT-style model's per-block plan took ~25,000 faults a step where torch's
+    this CPU, the GPT-style model's per-block plan took 12,000-25,000 faults a step where torch's
     checkpoint of the same blocks took 5 (docs/benchmarks.md). ``default`` leaves glibc as it is.
     A no-op where the C library is not glibc."""
     if mode not in HOST_MALLOC_MODES:
