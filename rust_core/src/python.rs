@@ -156,7 +156,12 @@ fn evaluate(
         let (seq, (stats, curve)) = py
             .allow_threads(|| -> crate::error::Result<_> {
                 let seq = crate::alloc_sequence::allocation_sequence(&g, &a, &starts, budget, &eval)?;
-                let simulated = crate::memory_curve::memory_curve(&seq, &conf)?;
+                // the per-event timeline is recorded only for the curve
+                let simulated = if memory_curve {
+                    crate::memory_curve::memory_curve(&seq, &conf)?
+                } else {
+                    (seq.simulate(&conf)?, Vec::new())
+                };
                 Ok((seq, simulated))
             })
             .map_err(to_py)?;
