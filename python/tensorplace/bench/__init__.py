@@ -41,7 +41,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from .. import allocator
 from ..methods import bench as methods_bench
 from . import accuracy, budgets, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
-from .common import HOST_MALLOC_MODES, STDOUT, Output, dump_json, host_malloc, versions, where
+from .common import HOST_MALLOC_ENV, HOST_MALLOC_MODES, STDOUT, Output, default_host_malloc, dump_json, host_malloc, versions, where
 
 # One line per subcommand: its module's add_cli(subparsers).
 COMMANDS: List[Callable[[Any], None]] = [
@@ -73,10 +73,10 @@ def parser() -> argparse.ArgumentParser:
                            help="write the figures this command prints to PATH as JSON ('-': to stdout, "
                                 "and what it prints to stderr)")
             p.set_defaults(_bench_json=True)  # commands with their own --json write it themselves
-        p.add_argument("--host-malloc", choices=HOST_MALLOC_MODES, default="keep",
+        p.add_argument("--host-malloc", choices=HOST_MALLOC_MODES, default=default_host_malloc(),
                        help="keep: the C heap keeps freed memory, as a GPU's caching allocator does, so that "
-                            "CPU steps do not pay page faults that depend on allocation order (default); "
-                            "default: glibc's own trimming")
+                            "CPU steps do not pay page faults that depend on allocation order (default, or "
+                            f"${HOST_MALLOC_ENV}); default: glibc's own trimming")
     return ap
 
 

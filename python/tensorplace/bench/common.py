@@ -143,6 +143,15 @@ def versions() -> Dict[str, str]:
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 HOST_MALLOC_MODES = ("keep", "default")
+#: the environment variable with the default of --host-malloc (unset: keep); the test suite sets it
+#: to "default" so that the bench commands it runs in its own process leave that process's heap alone
+HOST_MALLOC_ENV = "TENSORPLACE_HOST_MALLOC"
+
+
+def default_host_malloc() -> str:
+    import os
+
+    return os.environ.get(HOST_MALLOC_ENV, "keep")
 
 
 def host_malloc(mode: str) -> str:
