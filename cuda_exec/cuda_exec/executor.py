@@ -325,6 +325,13 @@ def default_backend(device: torch.device) -> Any:
 # ------------------------------------------------------------------------------------------
 
 
+def _alive(ref: "weakref.ReferenceType[_StepState]") -> "_StepState":
+    state = ref()
+    if state is None:
+        raise StepAbortedError("the step this belongs to is gone")
+    return state
+
+
 #: ``_Entry.host`` before the entry's copy is queued
 _QUEUED_LATER: Any = object()
 
@@ -332,11 +339,11 @@ _QUEUED_LATER: Any = object()
 class _Entry:
     """One swapped storage version: one copy, queued at the end of the segment that saved it."""
 
-    __slots__ = ("state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
+    __slots__ = ("_state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
                  "ref", "version", "source")
 
     def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
-        self.state = state
+        self._state = weakref.ref(state)  # the state holds its entries: no cycle (see _StepState)
         self.unit = unit
         self.value = value  #: the ValueRec (full path) or the pack index (lean path) it is keyed by
         st = t.untyped_storage()
@@ -354,6 +361,10 @@ class _Entry:
         self.fetched: Optional[torch.Tensor] = None
         self.refs = 0
         self.prefetched = False
+
+    @property
+    def state(self) -> "_StepState":
+        return _alive(self._state)
 
     def queue_offload(self) -> None:
         """Queue the device-to-host copy (once)."""
@@ -418,10 +429,10 @@ class _InputSlot:
     """How a recomputed unit gets one of its inputs back for its replay."""
 
     __slots__ = ("kind", "tensor", "entry", "rt", "value", "meta", "device", "version",
-                 "requires_grad", "protected", "nbytes", "state", "unit")
+                 "requires_grad", "protected", "nbytes", "_state", "unit")
 
     def __init__(self, state: "_StepState", ref: InputRef, t: torch.Tensor, ref_unit: int) -> None:
-        self.state = state
+        self._state = weakref.ref(state)
         self.kind = "tensor"  # "tensor" (held or retained), "entry" (swapped), "replay" (recomputed)
         self.unit = ref_unit  # the recomputed unit this slot is an input of
         self.tensor: Optional[torch.Tensor] = t.detach()
@@ -434,6 +445,10 @@ class _InputSlot:
         self.requires_grad = t.requires_grad
         self.protected = False
         self.nbytes = 0
+
+    @property
+    def state(self) -> "_StepState":
+        return _alive(self._state)
 
     def protect(self, storage: Optional[torch.UntypedStorage] = None) -> torch.UntypedStorage:
         """Replace the held tensor by the same view of a private copy of its storage (made now,
@@ -504,7 +519,7 @@ class _UnitRuntime:
     """A recomputed unit in one step: what its replay needs and what it regenerated."""
 
     def __init__(self, state: "_StepState", unit: int, seg: Segment) -> None:
-        self.state = state
+        self._state = weakref.ref(state)
         self.unit = unit
         self.seg = seg
         self.rng_cpu: Optional[torch.Tensor] = None
@@ -518,6 +533,10 @@ class _UnitRuntime:
         self.replayed = False
         self.inputs_released = False
         self.forward_done = False
+
+    @property
+    def state(self) -> "_StepState":
+        return _alive(self._state)
 
     # -------------------------------------------------------------- reference counting
 
@@ -786,7 +805,9 @@ class _ReplayHandle(_Handle):
 
 
 class _StepState:
-    """Everything one planned forward/backward owns."""
+    """Everything one planned forward/backward owns. Its entries, input slots and unit runtimes
+    refer back to it weakly (the graph's handles hold it), so a step is freed by reference
+    counting when its graph goes: no cycle keeps its objects to a later garbage collection."""
 
     def __init__(self, ex: "Executor") -> None:
         self.backend = ex.backend
@@ -1447,7 +1468,7 @@ class _LeanStep:
         self.packs = 0  #: index of the next pack of the step (counted in armed segments)
         self.limit = 0  #: packs made before the end of the armed segment
         self.armed = False  #: the saved-tensor hooks are on (a segment with a swapped pack)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
+        self.hooks: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
         self.work = work  #: per unit: boundary work to do at its start
         self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
         self.tracker = _ScopedTracker(ex, state, table) if any(table.recompute) else None
@@ -1799,6 +1820,8 @@ class Executor:
             state.abort()
             self._uninstall()
             raise
+        finally:
+            step.hooks = None  # it holds step.pack: a cycle that would outlive the step
         return out
 
     def abort_interrupted(self) -> int:
