@@ -455,6 +455,11 @@ class _InputSlot:
         self.kind, self.rt, self.tensor = "replay", rt, None
         rt.value_refs[self.value] += 1
 
+    def replayed_first(self) -> Optional["_UnitRuntime"]:
+        """The recomputed unit whose replay gives this input back (replayed before the unit
+        that reads it), if any."""
+        return self.rt if self.kind == "replay" else None
+
     def get(self) -> torch.Tensor:
         if self.kind == "tensor":
             t = self.tensor
@@ -565,8 +570,10 @@ class _UnitRuntime:
             todo[rt.unit] = rt
             for ref in rt.seg.inputs:
                 slot = ref.slot
-                if isinstance(slot, _InputSlot) and slot.kind == "replay" and slot.rt is not None:
-                    stack.append(slot.rt)
+                if isinstance(slot, _InputSlot):
+                    first = slot.replayed_first()
+                    if first is not None:
+                        stack.append(first)
         for unit in sorted(todo):
             todo[unit]._replay()
 
@@ -1099,8 +1106,11 @@ class _PlanTracker(UnitTracker):
     def _keep_replay_state(self, index: int) -> None:
         """At a recomputed unit's start: the grad mode, RNG and autocast states its replay restores."""
         if self.state.action(index) == "recompute":
-            rt = self._runtime_for(self.segments[index])
-            assert rt is not None
+            self._save_replay_state(index)
+
+    def _save_replay_state(self, index: int) -> None:
+        rt = self._runtime_for(self.segments[index])
+        if rt is not None:
             rt.grad_enabled = torch.is_grad_enabled()
             rt.rng_cpu = torch.get_rng_state()
             devices = sorted({ref.device.index or 0 for ref in self.segments[index].inputs if ref.device.type == "cuda"})

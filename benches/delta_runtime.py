@@ -1,0 +1,124 @@
+"""DELTA three ways on one model and budget: the evaluator's simulation (delta.rs, the plan's
+prediction), that plan run by the executor ("plan mode"), and the runtime policy in the executor
+(cuda_exec/cuda_exec/delta_policy.py) with the same profile's unit times and bandwidth.
+
+For each model and budget fraction f (budget = lower bound + f x (unplanned peak - lower bound),
+the methods tables' convention) it prints: the simulation's predicted step time and peak and its
+actions; plan mode's and the runtime policy's measured step time (median of ``--repeats`` steps)
+and measured peak (torch's profiler, the tests' instrument: constant memory + the step's peak
+allocation); the runtime policy's own counter peak and its decisions; and how many units the two
+treat differently. Timings are of this machine; run it on an idle one.
+
+Run: ``nice python benches/delta_runtime.py [--models resnet18 gpt] [--fractions 0.5 0.75]
+[--repeats 5] [--cap BYTES_PER_S]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections import Counter
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import tensorplace as tp
+from cuda_exec.cpu_backend import CpuBackend
+from tensorplace.models import TinyGPT
+from tensorplace.profiler import unplanned_step_stats
+
+MiB = 2**20
+
+
+def resnet18() -> Tuple[nn.Module, torch.Tensor, Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(8, 3, 128, 128)
+    y = torch.randint(0, 10, (8,))
+    return model, x, lambda out: F.cross_entropy(out, y)
+
+
+def gpt() -> Tuple[nn.Module, torch.Tensor, Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=128, dim=128, heads=4, layers=3, block=64, dropout=0.1)
+    x = torch.randint(0, 128, (8, 64))
+    y = torch.randint(0, 128, (8, 64))
+    return model, x, lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+MODELS = {"resnet18": resnet18, "gpt": gpt}
+
+
+def per_unit(actions: List[str], decisions: List[Any]) -> List[str]:
+    """The runtime policy's decisions as one action per unit (a unit with several released
+    tensors: recompute if any was recomputed, else swap)."""
+    out = ["retain"] * len(actions)
+    for d in decisions:
+        if out[d.unit] != "recompute":
+            out[d.unit] = d.action
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.75])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cap", type=float, default=None, help="the CPU backend's bandwidth cap, bytes/s")
+    a = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows: List[Dict[str, Any]] = []
+    for name in a.models:
+        model, x, loss_fn = MODELS[name]()
+        backend = CpuBackend(bandwidth_cap=a.cap)
+        probe = tp.plan(model, x, budget=2**40, loss_fn=loss_fn, method="retain", backend=backend)
+        prof = probe.to_dict()["profile"]
+        up, lb = tp.unplanned_peak(prof), tp.lower_bound(prof)
+        base = unplanned_step_stats(model, (x,), loss_fn=loss_fn, repeats=a.repeats)
+        print(f"\n{name}: {len(prof['units'])} units; unplanned peak predicted {up / MiB:.1f} MiB, measured "
+              f"{base['peak_bytes'] / MiB:.1f} MiB, step {base['step_time'] * 1e3:.0f} ms; lower bound {lb / MiB:.1f} MiB; "
+              f"copy bandwidth {prof['d2h_bandwidth'] / 1e9:.2f} / {prof['h2d_bandwidth'] / 1e9:.2f} GB/s")
+        for f in a.fractions:
+            budget = int(lb + f * (up - lb))
+            row: Dict[str, Any] = dict(model=name, fraction=f, budget=budget)
+            try:
+                sim = probe.replan(budget, method="delta")
+            except tp.BudgetError as e:
+                print(f"  f={f}: the simulation has no plan ({e})")
+                sim = None
+            if sim is not None:
+                pred = sim.predicted
+                fast = tp.run(model, sim, backend=backend)
+                m = unplanned_step_stats(fast, (x,), loss_fn=loss_fn, repeats=a.repeats)
+                fast.close()
+                row.update(sim_time=pred["step_time"], sim_peak=pred["peak_bytes"], sim_counts=sim.counts(),
+                           plan_time=m["step_time"], plan_peak=m["peak_bytes"])
+            rt = tp.run(model, tp.delta(budget, profile=prof), backend=backend)
+            m = unplanned_step_stats(rt, (x,), loss_fn=loss_fn, repeats=a.repeats)
+            st = rt.last_stats
+            rt.close()
+            row.update(rt_time=m["step_time"], rt_peak=m["peak_bytes"], rt_counter=st.counter_peak_bytes,
+                       rt_counts=Counter(d.action for d in st.decisions), rt_releases=len(st.decisions),
+                       rt_stall=st.stall_s, rt_replays=st.replays, rt_unsched=st.unscheduled_fetches)
+            if sim is not None:
+                mine = per_unit(sim.actions, st.decisions)
+                row["differ"] = sum(p != q for p, q in zip(mine, sim.actions))
+            rows.append(row)
+            print(f"  f={f} budget {budget / MiB:.1f} MiB:")
+            if sim is not None:
+                print(f"    simulation: step {row['sim_time'] * 1e3:.0f} ms, peak {row['sim_peak'] / MiB:.1f} MiB, "
+                      f"{row['sim_counts']}")
+                print(f"    plan mode:  step {row['plan_time'] * 1e3:.0f} ms, measured peak {row['plan_peak'] / MiB:.1f} MiB")
+            print(f"    runtime:    step {row['rt_time'] * 1e3:.0f} ms, measured peak {row['rt_peak'] / MiB:.1f} MiB, "
+                  f"counter peak {row['rt_counter'] / MiB:.1f} MiB; {row['rt_releases']} tensors released "
+                  f"{dict(row['rt_counts'])}, {row['rt_replays']} replays, {row['rt_unsched']} fetched at use, "
+                  f"stall {row['rt_stall'] * 1e3:.0f} ms"
+                  + (f"; units treated differently from the simulation: {row['differ']}" if "differ" in row else ""))
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()
