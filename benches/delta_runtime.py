@@ -9,14 +9,16 @@ and measured peak (torch's profiler, the tests' instrument: constant memory + th
 allocation); the runtime policy's own counter peak and its decisions; and how many units the two
 treat differently. Timings are of this machine; run it on an idle one.
 
-Run: ``nice python benches/delta_runtime.py [--models resnet18 gpt] [--fractions 0.5 0.75]
-[--repeats 5] [--cap BYTES_PER_S]``
+The runtime policy runs ``--warmup`` steps first (its forward release limit adapts to what the
+backward needed in the steps before, delta_policy.py). Run: ``nice python
+benches/delta_runtime.py [--models resnet18 gpt] [--fractions 0.5 0.75] [--repeats 5]
+[--warmup 4] [--cap BYTES_PER_S]``
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -27,6 +29,7 @@ from torch import nn
 
 import tensorplace as tp
 from cuda_exec.cpu_backend import CpuBackend
+from cuda_exec.delta_policy import DeltaBudgetWarning
 from tensorplace.models import TinyGPT
 from tensorplace.profiler import unplanned_step_stats
 
@@ -68,6 +71,8 @@ def main() -> None:
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.75])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cap", type=float, default=None, help="the CPU backend's bandwidth cap, bytes/s")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="steps of the runtime policy before the measured ones (its release limit adapts)")
     a = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows: List[Dict[str, Any]] = []
@@ -97,12 +102,15 @@ def main() -> None:
                 row.update(sim_time=pred["step_time"], sim_peak=pred["peak_bytes"], sim_counts=sim.counts(),
                            plan_time=m["step_time"], plan_peak=m["peak_bytes"])
             rt = tp.run(model, tp.delta(budget, profile=prof), backend=backend)
-            m = unplanned_step_stats(rt, (x,), loss_fn=loss_fn, repeats=a.repeats)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeltaBudgetWarning)  # reported below
+                m = unplanned_step_stats(rt, (x,), loss_fn=loss_fn, repeats=a.repeats, warmup=a.warmup)
             st = rt.last_stats
             rt.close()
             row.update(rt_time=m["step_time"], rt_peak=m["peak_bytes"], rt_counter=st.counter_peak_bytes,
                        rt_counts=Counter(d.action for d in st.decisions), rt_releases=len(st.decisions),
-                       rt_stall=st.stall_s, rt_replays=st.replays, rt_unsched=st.unscheduled_fetches)
+                       rt_stall=st.stall_s, rt_replays=st.replays, rt_unsched=st.unscheduled_fetches,
+                       rt_limit=st.threshold_bytes, rt_over=st.over_budget_bytes)
             if sim is not None:
                 mine = per_unit(sim.actions, st.decisions)
                 row["differ"] = sum(p != q for p, q in zip(mine, sim.actions))
@@ -113,7 +121,8 @@ def main() -> None:
                       f"{row['sim_counts']}")
                 print(f"    plan mode:  step {row['plan_time'] * 1e3:.0f} ms, measured peak {row['plan_peak'] / MiB:.1f} MiB")
             print(f"    runtime:    step {row['rt_time'] * 1e3:.0f} ms, measured peak {row['rt_peak'] / MiB:.1f} MiB, "
-                  f"counter peak {row['rt_counter'] / MiB:.1f} MiB; {row['rt_releases']} tensors released "
+                  f"counter peak {row['rt_counter'] / MiB:.1f} MiB (over by {row['rt_over'] / MiB:.1f}), releasing "
+                  f"from {row['rt_limit'] / MiB:.1f} MiB; {row['rt_releases']} tensors released "
                   f"{dict(row['rt_counts'])}, {row['rt_replays']} replays, {row['rt_unsched']} fetched at use, "
                   f"stall {row['rt_stall'] * 1e3:.0f} ms"
                   + (f"; units treated differently from the simulation: {row['differ']}" if "differ" in row else ""))

@@ -144,7 +144,8 @@ def transfer_bandwidth(backend: Any, measure_bytes: int = 16 << 20) -> Tuple[flo
     cap = getattr(backend, "bandwidth_cap", None)
     if cap:
         return float(cap), float(cap)
-    d2h, h2d = backend.bandwidth(measure_bytes)
+    with torch.random.fork_rng(devices=[]):  # the measurement fills its buffers with random bytes
+        d2h, h2d = backend.bandwidth(measure_bytes)
     return float(d2h), float(h2d)
 
 
@@ -343,6 +344,7 @@ class _Policy:
         self.budget = ex.budget
         self.limit = ex.forward_limit()
         self.depth = ex.prefetch_depth
+        self.lookahead = ex.prefetch_lookahead
         self.d2h, self.h2d = ex.bandwidth
         self.backend = ex.backend
         self.stats: DeltaStats = state.stats  # type: ignore[assignment]
@@ -619,13 +621,17 @@ class _Policy:
         where = f"bwd:{self.bwd_stage}"
         used = self.read(where)
         q = self.queue
+        stage = self.bwd_stage if self.bwd_stage is not None else 0
         while q and self.inflight < self.depth:
             rec = q[0]
             e = rec.entry
             if rec.mode != SWAPPED or e is None or e.host is None or e.fetched is not None or e.prefetched:
                 q.popleft()  # fetched at its use already, or gone
                 continue
-            if used + rec.nbytes > self.budget:
+            if rec.need >= stage:
+                q.popleft()  # needed now: it is fetched at its use
+                continue
+            if stage - rec.need > self.lookahead or used + rec.nbytes > self.budget:
                 break
             q.popleft()
             e.prefetch()
@@ -763,6 +769,7 @@ class DeltaExecutor(Executor):
         *,
         threshold: float = THRESHOLD,
         prefetch_depth: int = 2,
+        prefetch_lookahead: int = 2,
         bandwidth: Optional[Tuple[float, float]] = None,
         unit_times: Optional[Mapping[str, float]] = None,
         constant_bytes: int = 0,
@@ -776,8 +783,9 @@ class DeltaExecutor(Executor):
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         if not 0.0 < float(threshold) <= 1.0:
             raise ValueError(f"threshold must be in (0, 1] (DELTA's is 0.75), got {threshold!r}")
-        if int(prefetch_depth) < 0:
-            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth!r}")
+        if int(prefetch_depth) < 0 or int(prefetch_lookahead) < 0:
+            raise ValueError(f"prefetch_depth and prefetch_lookahead must be >= 0, got {prefetch_depth!r} and "
+                             f"{prefetch_lookahead!r}")
         if bandwidth is not None and (len(bandwidth) != 2 or min(bandwidth) <= 0):
             raise ValueError(f"bandwidth must be (d2h, h2d) bytes per second, both positive, got {bandwidth!r}")
         super().__init__(model, [], (), backend, verify=verify, units=units)
@@ -785,6 +793,7 @@ class DeltaExecutor(Executor):
         self.budget = int(budget)
         self.threshold = float(threshold)
         self.prefetch_depth = int(prefetch_depth)
+        self.prefetch_lookahead = int(prefetch_lookahead)
         self._bandwidth = tuple(float(b) for b in bandwidth) if bandwidth is not None else None
         self.profile_times = dict(unit_times) if unit_times else {}
         self.constant_bytes = int(constant_bytes)
@@ -797,6 +806,7 @@ class DeltaExecutor(Executor):
         self.adaptive = bool(adaptive)
         self.headroom = int(headroom)
         self._limit: Optional[int] = None
+        self._ceiling: Optional[int] = None  #: the lowest release limit after which a step went over
         self.last_stats: Optional[DeltaStats] = None  # type: ignore[assignment]
 
     @property
@@ -830,14 +840,22 @@ class DeltaExecutor(Executor):
         """After a step that released from ``limit`` in the forward and whose counter peaked at
         ``peak``: the next step's limit. The target is ``budget - headroom``, less a margin of 1%
         of the budget; a peak above that lowers the limit by the excess, a peak below it raises
-        the limit by half the slack, never above ``threshold x budget``. DELTA releases in the
+        the limit by half the slack, never above ``threshold x budget`` nor back up to a limit
+        after which a step went over (tensors are released whole, so the peak moves in steps
+        and would otherwise swing around the target). DELTA releases in the
         forward only; this is how the backward's peak, which the forward cannot see coming, is
         brought under the budget in the following steps."""
         if not self.adaptive:
             return
         margin = self.budget // 100
         err = peak - (self.budget - self.headroom - margin)
-        nxt = limit - err if err > 0 else limit + (-err) // 2
+        if err > 0:
+            self._ceiling = limit if self._ceiling is None else min(self._ceiling, limit)
+            nxt = limit - err
+        else:
+            nxt = limit + (-err) // 2
+            if self._ceiling is not None:
+                nxt = min(nxt, self._ceiling - margin)  # not back to a limit that went over
         self._limit = max(0, min(int(self.threshold * self.budget), nxt))
 
     def warn_over(self, stats: DeltaStats) -> None:

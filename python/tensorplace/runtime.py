@@ -25,13 +25,16 @@ class DeltaRuntime:
     budget_bytes: int
     threshold: float = 0.75
     prefetch_depth: int = 2
+    prefetch_lookahead: int = 2
+    headroom: int = 0
     bandwidth: Optional[Tuple[float, float]] = None
     unit_times: Dict[str, float] = field(default_factory=dict)
     constant_bytes: int = 0
     memory_counter: Optional[Callable[[], int]] = None
 
     def executor_kwargs(self) -> Dict[str, Any]:
-        return dict(threshold=self.threshold, prefetch_depth=self.prefetch_depth, bandwidth=self.bandwidth,
+        return dict(threshold=self.threshold, prefetch_depth=self.prefetch_depth,
+                    prefetch_lookahead=self.prefetch_lookahead, headroom=self.headroom, bandwidth=self.bandwidth,
                     unit_times=dict(self.unit_times), constant_bytes=self.constant_bytes,
                     memory_counter=self.memory_counter)
 
@@ -41,6 +44,8 @@ def delta(
     *,
     threshold: float = 0.75,
     prefetch_depth: int = 2,
+    prefetch_lookahead: int = 2,
+    headroom: int = 0,
     profile: Optional[Dict[str, Any]] = None,
     bandwidth: Optional[Tuple[float, float]] = None,
     constant_bytes: int = 0,
@@ -51,7 +56,10 @@ def delta(
     executor reads the device memory in use and, above ``threshold`` x budget, releases the saved
     tensor with the largest size x staleness, recomputing it when its unit's replay takes no
     longer than its two copies and swapping it otherwise; swapped tensors come back in backward
-    order, at most ``prefetch_depth`` ahead of use.
+    order, at most ``prefetch_depth`` of them ahead of use and each at most ``prefetch_lookahead``
+    units before the unit that needs it. The forward's release limit adapts over the steps so
+    that the backward (where DELTA releases nothing) stays under ``budget - headroom``; the
+    counter does not see the scratch memory inside an op, which ``headroom`` can leave room for.
 
     ``profile``: a Profile (``tensorplace.profiler.profile_model``, or ``plan.profile``) whose
     units' ``fwd_time`` and copy bandwidths the director uses; without one, unit times are
@@ -67,8 +75,8 @@ def delta(
             bw = (float(profile["d2h_bandwidth"]), float(profile["h2d_bandwidth"]))
     if not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"threshold must be in (0, 1] (DELTA's is 0.75), got {threshold!r}")
-    return DeltaRuntime(parse_budget(budget), float(threshold), int(prefetch_depth), bw, times, int(constant_bytes),
-                        memory_counter)
+    return DeltaRuntime(parse_budget(budget), float(threshold), int(prefetch_depth), int(prefetch_lookahead),
+                        int(headroom), bw, times, int(constant_bytes), memory_counter)
 
 
 def delta_from_plan(plan: Any, **overrides: Any) -> DeltaRuntime:
