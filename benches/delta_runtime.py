@@ -4,8 +4,8 @@ prediction), that plan run by the executor ("plan mode"), and the runtime policy
 
 For each model and budget fraction f (budget = lower bound + f x (unplanned peak - lower bound),
 the methods tables' convention) it prints: the simulation's predicted step time and peak and its
-actions; plan mode's and the runtime policy's measured step time (median of ``--repeats`` steps)
-and measured peak (torch's profiler, the tests' instrument: constant memory + the step's peak
+actions; plan mode's and the runtime policy's measured step time (median of ``--repeats`` steps,
+the unplanned model's, plan mode's and the runtime policy's steps interleaved) and measured peak (torch's profiler, the tests' instrument: constant memory + the step's peak
 allocation); the runtime policy's own counter peak and its decisions; and how many units the two
 treat differently. Timings are of this machine; run it on an idle one.
 
@@ -18,6 +18,8 @@ benches/delta_runtime.py [--models resnet18 gpt] [--fractions 0.5 0.75] [--repea
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
@@ -65,6 +67,24 @@ def per_unit(actions: List[str], decisions: List[Any]) -> List[str]:
     return out
 
 
+def timed_step(module: nn.Module, model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch.Tensor]) -> float:
+    for p in model.parameters():
+        p.grad = None
+    t0 = time.perf_counter()
+    loss_fn(module(x)).backward()
+    return time.perf_counter() - t0
+
+
+def interleaved(modes: Dict[str, nn.Module], model: nn.Module, x: torch.Tensor,
+                loss_fn: Callable[[Any], torch.Tensor], rounds: int) -> Dict[str, float]:
+    """Median step time of each mode, the modes' steps interleaved (a busy machine slows them alike)."""
+    times: Dict[str, List[float]] = {k: [] for k in modes}
+    for _ in range(rounds):
+        for k, m in modes.items():
+            times[k].append(timed_step(m, model, x, loss_fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
@@ -94,20 +114,27 @@ def main() -> None:
             except tp.BudgetError as e:
                 print(f"  f={f}: the simulation has no plan ({e})")
                 sim = None
+            modes: Dict[str, nn.Module] = {"unplanned": model}
             if sim is not None:
                 pred = sim.predicted
-                fast = tp.run(model, sim, backend=backend)
-                m = unplanned_step_stats(fast, (x,), loss_fn=loss_fn, repeats=a.repeats)
-                fast.close()
-                row.update(sim_time=pred["step_time"], sim_peak=pred["peak_bytes"], sim_counts=sim.counts(),
-                           plan_time=m["step_time"], plan_peak=m["peak_bytes"])
-            rt = tp.run(model, tp.delta(budget, profile=prof), backend=backend)
+                modes["plan"] = tp.run(model, sim, backend=backend)
+                row.update(sim_time=pred["step_time"], sim_peak=pred["peak_bytes"], sim_counts=sim.counts())
+            rt = modes["runtime"] = tp.run(model, tp.delta(budget, profile=prof), backend=backend)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeltaBudgetWarning)  # reported below
-                m = unplanned_step_stats(rt, (x,), loss_fn=loss_fn, repeats=a.repeats, warmup=a.warmup)
+                for _ in range(a.warmup):
+                    timed_step(rt, model, x, loss_fn)
+                peaks = {k: unplanned_step_stats(m, (x,), loss_fn=loss_fn, repeats=1)["peak_bytes"]
+                         for k, m in modes.items()}
+                times = interleaved(modes, model, x, loss_fn, a.repeats)
             st = rt.last_stats
-            rt.close()
-            row.update(rt_time=m["step_time"], rt_peak=m["peak_bytes"], rt_counter=st.counter_peak_bytes,
+            for k in ("plan", "runtime"):
+                if k in modes:
+                    modes[k].close()  # type: ignore[operator]
+            row.update(base_time=times["unplanned"])
+            if sim is not None:
+                row.update(plan_time=times["plan"], plan_peak=peaks["plan"])
+            row.update(rt_time=times["runtime"], rt_peak=peaks["runtime"], rt_counter=st.counter_peak_bytes,
                        rt_counts=Counter(d.action for d in st.decisions), rt_releases=len(st.decisions),
                        rt_stall=st.stall_s, rt_replays=st.replays, rt_unsched=st.unscheduled_fetches,
                        rt_limit=st.threshold_bytes, rt_over=st.over_budget_bytes)
@@ -115,7 +142,7 @@ def main() -> None:
                 mine = per_unit(sim.actions, st.decisions)
                 row["differ"] = sum(p != q for p, q in zip(mine, sim.actions))
             rows.append(row)
-            print(f"  f={f} budget {budget / MiB:.1f} MiB:")
+            print(f"  f={f} budget {budget / MiB:.1f} MiB (unplanned step {row['base_time'] * 1e3:.0f} ms):")
             if sim is not None:
                 print(f"    simulation: step {row['sim_time'] * 1e3:.0f} ms, peak {row['sim_peak'] / MiB:.1f} MiB, "
                       f"{row['sim_counts']}")

@@ -100,6 +100,7 @@ def test_training_bitwise_equal_when_everything_is_released(name: str, bandwidth
     fast.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "gpt"])
 def test_training_bitwise_equal_under_the_live_counter(name: str) -> None:
     """The real counter and a budget that makes the policy release part of the activations."""
