@@ -141,6 +141,8 @@ def main() -> None:
             if sim is not None:
                 mine = per_unit(sim.actions, st.decisions)
                 row["differ"] = sum(p != q for p, q in zip(mine, sim.actions))
+                row["differences"] = [f"{prof['units'][i]['name']}: {q} (simulation {p})"
+                                      for i, (p, q) in enumerate(zip(sim.actions, mine)) if p != q]
             rows.append(row)
             print(f"  f={f} budget {budget / MiB:.1f} MiB (unplanned step {row['base_time'] * 1e3:.0f} ms):")
             if sim is not None:
@@ -153,6 +155,8 @@ def main() -> None:
                   f"{dict(row['rt_counts'])}, {row['rt_replays']} replays, {row['rt_unsched']} fetched at use, "
                   f"stall {row['rt_stall'] * 1e3:.0f} ms"
                   + (f"; units treated differently from the simulation: {row['differ']}" if "differ" in row else ""))
+            if row.get("differences"):
+                print("      " + "; ".join(row["differences"]))
         backend.close()
 
 

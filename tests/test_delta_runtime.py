@@ -151,17 +151,17 @@ def test_the_filter_releases_the_largest_size_times_staleness_first() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeltaBudgetWarning)
         st = one_step(fast, model, x, y)
+    assert len({d.stage for d in st.decisions}) > 5
+    assert sum(d.runner_up >= 0 for d in st.decisions) > 10  # choices among several candidates
+    for d in st.decisions:
+        assert d.unit < d.stage  # only finished segments
+        assert d.nbytes * d.staleness >= d.runner_up  # the largest size x staleness then
+    # within a stage the releases come in decreasing score (staleness grows alike for all)
     by_stage: Dict[int, List[Any]] = {}
     for d in st.decisions:
         by_stage.setdefault(d.stage, []).append(d)
-    assert len(by_stage) > 5
-    for stage, ds in by_stage.items():
-        # one release after the other at the same stage: each was the best candidate then, and
-        # the staleness of all of them grew alike in between, so the scores never increase much
-        scores = [d.nbytes * d.staleness for d in ds]
-        first = scores[0]
-        assert all(s <= first * 1.5 + 1 for s in scores), (stage, scores)
-        assert all(d.unit < stage for d in ds)  # only finished segments
+    big = [ds for ds in by_stage.values() if len(ds) > 2]
+    assert big and any(ds[0].nbytes * ds[0].staleness > ds[-1].nbytes * ds[-1].staleness for ds in big)
     fast.close()
 
 

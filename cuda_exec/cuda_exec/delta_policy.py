@@ -107,6 +107,8 @@ class DeltaDecision:
     replay_s: Optional[float]  #: the director's replay time (None: the unit cannot be replayed)
     transfer_s: float  #: nbytes / d2h + nbytes / h2d
     used_bytes: int  #: the counter when the record was chosen
+    #: the filter's score (nbytes x staleness) of the next best candidate then (-1: none)
+    runner_up: float = -1.0
 
 
 @dataclass
@@ -482,15 +484,14 @@ class _Policy:
 
     def _release(self, s: int, used: int) -> int:
         while used - self.pending_bytes() > self.limit:
-            rec = self._filter(s)
+            rec, now, runner_up = self._filter(s)
             if rec is None:
                 break
-            now = time.perf_counter()
             replay = self._replay_time(rec)
             transfer = rec.nbytes / self.d2h + rec.nbytes / self.h2d
             action = "recompute" if replay is not None and replay <= transfer else "swap"
             self.stats.decisions.append(DeltaDecision(s, rec.unit, action, rec.nbytes, now - rec.last_use, replay,
-                                                      transfer, used))
+                                                      transfer, used, runner_up))
             if action == "recompute":
                 self._evict(rec)
             else:
@@ -498,11 +499,12 @@ class _Policy:
             used = self.read(f"fwd:{s}")
         return used
 
-    def _filter(self, s: int) -> Optional[_Saved]:
-        """Algorithm 2: the resident record of a finished segment with the largest size x staleness."""
+    def _filter(self, s: int) -> Tuple[Optional[_Saved], float, float]:
+        """Algorithm 2: the resident record of a finished segment with the largest size x
+        staleness; also the time it was taken at and the next best score."""
         now = time.perf_counter()
         best: Optional[_Saved] = None
-        best_score = -1.0
+        best_score = second = -1.0
         keep: List[_Saved] = []
         for rec in self.resident:
             if rec.mode != RESIDENT:
@@ -512,9 +514,11 @@ class _Policy:
                 continue
             score = rec.nbytes * (now - rec.last_use)
             if score > best_score:
-                best, best_score = rec, score
+                best, best_score, second = rec, score, best_score
+            elif score > second:
+                second = score
         self.resident = keep
-        return best
+        return best, now, second
 
     def _can_recompute(self, rec: _Saved) -> bool:
         u = rec.unit
