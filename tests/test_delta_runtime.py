@@ -22,28 +22,12 @@ from cuda_exec.live_memory import HeapLiveMemory
 from cuda_exec.memory import measure_peak
 from side_by_side import assert_trains_alike
 from tensorplace.profiler import unplanned_step_stats
-from test_executor import Boom, FailingCopyBackend, _assert_no_hooks, _assert_released_then_exact, loss_fn
+from test_executor import MODELS, Boom, FailingCopyBackend, _assert_no_hooks, _assert_released_then_exact, loss_fn, make
 
 torchvision = pytest.importorskip("torchvision")
 
 MiB = 2**20
 ALWAYS_OVER = 1 << 62  # a counter that always reads above any budget: every candidate is released
-
-MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[], Tuple[torch.Tensor, torch.Tensor]]]] = {
-    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10),
-                 lambda: (torch.randn(2, 3, 64, 64), torch.tensor([1, 7]))),
-    "inception": (models.TinyInception, lambda: (torch.randn(2, 3, 16, 16), torch.tensor([3, 4]))),
-    "gpt": (models.TinyGPT, lambda: (torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2 * 16,)))),
-    "tricky": (models.Tricky, lambda: (torch.randn(4, 16), torch.tensor([0, 1, 2, 3]))),
-}
-
-
-def make(name: str) -> Tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    build, batch = MODELS[name]
-    model = build()
-    x, y = batch()
-    return model, x, y
 
 
 def adam(ps: Any) -> torch.optim.Optimizer:
@@ -310,6 +294,16 @@ def test_the_cpu_counter_follows_torchs_own_accounting() -> None:
 # ----------------------------------------------------------------------------- failures
 
 
+def released_then_exact(fast: DeltaModule, backend: CpuBackend, model: nn.Module, ref: nn.Module,
+                        x: torch.Tensor, y: torch.Tensor) -> None:
+    """test_executor's check after a failed step (nothing left, the next steps exact), with the
+    always-over counters' budget warnings silenced; closes ``fast`` and ``backend``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeltaBudgetWarning)
+        _assert_released_then_exact(fast, backend, model, ref, x, y)
+    backend.close()
+
+
 def test_an_exception_mid_forward_leaves_nothing_behind() -> None:
     torch.manual_seed(0)
     body = torchvision.models.resnet18(num_classes=10)
@@ -325,10 +319,7 @@ def test_an_exception_mid_forward_leaves_nothing_behind() -> None:
         fast(x)
     assert fast.last_stats.aborted and fast.last_stats.decisions  # it had released tensors
     boom.exc = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeltaBudgetWarning)
-        _assert_released_then_exact(fast, backend, model, ref, x, y)
-    backend.close()
+    released_then_exact(fast, backend, model, ref, x, y)
 
 
 def test_a_failed_copy_aborts_the_step_and_the_next_ones_are_exact() -> None:
@@ -339,10 +330,7 @@ def test_a_failed_copy_aborts_the_step_and_the_next_ones_are_exact() -> None:
     with pytest.raises(RuntimeError, match="injected"):
         loss_fn(fast(x), y).backward()
     assert fast.last_stats.aborted
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeltaBudgetWarning)
-        _assert_released_then_exact(fast, backend, model, ref, x, y)
-    backend.close()
+    released_then_exact(fast, backend, model, ref, x, y)
 
 
 def test_an_interrupted_backward_is_freed_by_the_next_forward() -> None:
@@ -357,10 +345,7 @@ def test_an_interrupted_backward_is_freed_by_the_next_forward() -> None:
     h.remove()
     assert backend.stats().buffers_in_use > 0
     del out
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeltaBudgetWarning)
-        _assert_released_then_exact(fast, backend, model, ref, x, y)
-    backend.close()
+    released_then_exact(fast, backend, model, ref, x, y)
 
 
 # ----------------------------------------------------------------------------- the API

@@ -54,7 +54,7 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -64,6 +64,7 @@ from torch import nn
 
 from .executor import (
     Executor,
+    ExecutorModule,
     ReplayError,
     StepAbortedError,
     StepStats,
@@ -934,32 +935,14 @@ class DeltaExecutor(Executor):
         return out
 
 
-class DeltaModule(nn.Module):
+class DeltaModule(ExecutorModule):
     """``model`` trained under DELTA's runtime policy with device memory ``budget`` (bytes):
     same parameters, same results. In eval mode or with gradients disabled it simply runs the
     model. Keyword arguments: see :class:`DeltaExecutor`."""
+
+    executor: DeltaExecutor
 
     def __init__(self, model: nn.Module, budget: int, backend: Any = None, **kwargs: Any) -> None:
         super().__init__()
         self.model = model
         self.executor = DeltaExecutor(model, budget, backend, **kwargs)
-
-    @property
-    def backend(self) -> Any:
-        return self.executor.backend
-
-    @property
-    def last_stats(self) -> Optional[DeltaStats]:
-        """What the latest step did (its backward fills in the rest)."""
-        return self.executor.last_stats
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.model.training or not torch.is_grad_enabled():
-            return self.model(*args, **kwargs)
-        return self.executor.forward(*args, **kwargs)
-
-    def abort_interrupted(self) -> int:
-        return self.executor.abort_interrupted()
-
-    def close(self) -> None:
-        self.executor.close()

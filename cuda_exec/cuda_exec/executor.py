@@ -144,6 +144,7 @@ __all__ = [
     "run_starts",
     "Executor",
     "PlannedModule",
+    "ExecutorModule",
     "execute",
     "default_backend",
     "replay_state_bytes",
@@ -1842,7 +1843,36 @@ class Executor:
             self._backend = None
 
 
-class PlannedModule(nn.Module):
+class ExecutorModule(nn.Module):
+    """An ``nn.Module`` that runs ``model``'s training forwards through ``self.executor`` (set
+    by the subclass) and runs the model itself in eval mode or with gradients disabled."""
+
+    model: nn.Module
+    executor: Executor
+
+    @property
+    def backend(self) -> Any:
+        return self.executor.backend
+
+    @property
+    def last_stats(self) -> Optional[StepStats]:
+        """What the latest step did (its backward fills in the rest)."""
+        return self.executor.last_stats
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.model.training or not torch.is_grad_enabled():
+            return self.model(*args, **kwargs)
+        return self.executor.forward(*args, **kwargs)
+
+    def abort_interrupted(self) -> int:
+        """Free what steps interrupted during their backward still hold (see Executor)."""
+        return self.executor.abort_interrupted()
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+class PlannedModule(ExecutorModule):
     """``model`` trained under ``plan``: same parameters, same results, less device memory.
 
     ``plan``: a Plan-format dict or object, a path to a plan JSON file, or a list of actions (one
@@ -1872,27 +1902,6 @@ class PlannedModule(nn.Module):
             model, actions, prefetch, backend, verify=verify, units=units, names=names,
             swap_deadlines=read_swap_deadlines(plan), segment_starts=read_segment_starts(plan),
         )
-
-    @property
-    def backend(self) -> Any:
-        return self.executor.backend
-
-    @property
-    def last_stats(self) -> Optional[StepStats]:
-        """What the latest planned step did (its backward fills in the rest)."""
-        return self.executor.last_stats
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.model.training or not torch.is_grad_enabled():
-            return self.model(*args, **kwargs)
-        return self.executor.forward(*args, **kwargs)
-
-    def abort_interrupted(self) -> int:
-        """Free what steps interrupted during their backward still hold (see Executor)."""
-        return self.executor.abort_interrupted()
-
-    def close(self) -> None:
-        self.executor.close()
 
 
 def execute(
