@@ -375,3 +375,46 @@ def test_run_takes_the_policy_or_a_delta_plan_with_runtime() -> None:
     with pytest.raises(ValueError, match="threshold"):
         tp.delta("1GiB", threshold=1.5)
     _assert_no_hooks(model)
+
+
+def test_the_policys_calls_into_the_cuda_backend_on_its_emulated_runtime() -> None:
+    """The CUDA backend on test_cuda_backend's FakeRuntime (host memory; its copy stream runs
+    only when waited on): every tensor swapped, the budget's wait for swap-outs a stream wait
+    (no host synchronisation), prefetches in backward order, training bitwise equal, and nothing
+    left in the pinned pool."""
+    fakes = pytest.importorskip("test_cuda_backend")  # cuda-python's runtime bindings
+    from cuda_exec.cuda_backend import CudaBackend
+
+    rt, tt = fakes.FakeRuntime(), fakes.FakeTorch()
+    rt.device_alive = tt.alive
+    backend = CudaBackend(_runtime=rt, _torch=tt)
+    model, x, y = make("inception")
+    ref = copy.deepcopy(model)
+    counter = Switch(0)
+    fast = DeltaModule(model, 1 << 30, backend, memory_counter=counter, bandwidth=(1e18, 1e18))
+
+    class Over(nn.Module):  # the forward over the budget: every tensor leaves, the budget waits
+        def forward(self, out: torch.Tensor) -> torch.Tensor:
+            counter.value = 0  # the backward has room: prefetches are issued
+            return out
+
+    for step in range(2):
+        torch.manual_seed(step)
+        ref.zero_grad(set_to_none=True)
+        loss_fn(ref(x), y).backward()
+        torch.manual_seed(step)
+        model.zero_grad(set_to_none=True)
+        counter.value = ALWAYS_OVER
+        out = Over()(fast(x))
+        loss_fn(out, y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    st = fast.last_stats
+    assert st.swap_storages == len(st.decisions) > 10 and st.deadline_waits > 0
+    needs = [need for _unit, need in st.prefetch_order]
+    assert needs and needs == sorted(needs, reverse=True)
+    assert not any(c in fakes.SYNC_CALLS for c in rt.calls)
+    fast.close()
+    backend.synchronize()
+    assert backend.pool.bytes_in_use == 0
+    backend.close()
