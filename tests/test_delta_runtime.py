@@ -60,7 +60,7 @@ def one_step(fast: nn.Module, model: nn.Module, x: torch.Tensor, y: torch.Tensor
 # ----------------------------------------------------------------------------- bitwise equality
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "resnet18" else n for n in sorted(MODELS)])
 @pytest.mark.parametrize("bandwidth", [1.0, 1e18], ids=["recompute", "swap"])
 def test_training_bitwise_equal_when_everything_is_released(name: str, bandwidth: float) -> None:
     """A counter always over the budget: every saved tensor leaves the device in the forward
