@@ -9,10 +9,14 @@ sum loss, backward, grads set to None) is timed in three modes, interleaved in o
 * ``swap1``: ``PlannedModule`` with one swapped unit near the end (the last LayerNorm: its mean,
   rstd and output are swapped to the CPU backend's host tier), the rest retained;
 * ``recompute1``: the same unit recomputed instead (``--recompute``: its segment is tracked and
-  replayed in backward, the rest runs as in ``retain``).
+  replayed in backward, the rest runs as in ``retain``);
+* ``delta``: DELTA's runtime policy (``--delta``, cuda_exec/delta_policy.py) with a budget the
+  step never comes near, so nothing moves: what the full unit tracker, the live counter and the
+  records of every saved tensor cost in every step.
 
 It prints the median step time of each mode and the overhead per unit over ``unplanned`` in
-microseconds. Run: ``nice python benches/executor_overhead.py [--steps 60] [--width 32]``.
+microseconds. Run: ``nice python benches/executor_overhead.py [--steps 60] [--width 32]
+[--recompute] [--delta]``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--recompute", action="store_true", help="also time the recompute1 mode")
+    ap.add_argument("--delta", action="store_true", help="also time DELTA's runtime policy (nothing released)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -71,6 +76,10 @@ def main() -> None:
         rec1 = ["retain"] * n
         rec1[n - 3] = "recompute"
         modes["recompute1"] = PlannedModule(model, rec1, backend=backend)
+    if a.delta:
+        from cuda_exec.delta_policy import DeltaModule  # here: the bench also runs on older checkouts
+
+        modes["delta"] = DeltaModule(model, 1 << 40, backend=backend, bandwidth=(1e9, 1e9))
     times = {k: [] for k in modes}
     for k, m in modes.items():  # warm-up (and the executor's first step)
         for _ in range(3):
@@ -85,7 +94,7 @@ def main() -> None:
         over = (med[k] - med["unplanned"]) / n * 1e6
         print(f"  {k:10s} median step {med[k] * 1e3:8.2f} ms   over unplanned: {over:7.1f} us/unit")
     for m in modes.values():
-        if isinstance(m, PlannedModule):
+        if m is not model:
             m.close()
     backend.close()
 

@@ -4,6 +4,8 @@
   profiler.
 - :mod:`cuda_exec.executor`: :class:`PlannedModule` trains a model under a plan of retain / swap /
   recompute per unit.
+- :mod:`cuda_exec.delta_policy`: :class:`DeltaModule` trains a model under DELTA's runtime policy
+  (no plan: releases decided during the step from a live memory counter, :mod:`cuda_exec.live_memory`).
 - :mod:`cuda_exec.cpu_backend`: the CPU host tier (numpy or mmap memory, one copy thread, an
   optional bandwidth cap); :mod:`cuda_exec.cuda_backend`: pinned memory and a copy stream on CUDA.
 - :mod:`cuda_exec.memory`: the peak of torch's own allocation records for one step.
@@ -11,6 +13,7 @@
 """
 
 from .cpu_backend import CpuBackend
+from .delta_policy import DeltaBudgetWarning, DeltaModule, DeltaStats
 from .executor import (
     ACTIONS,
     Executor,
@@ -29,6 +32,9 @@ from .verify import VerificationError
 __all__ = [
     "ACTIONS",
     "CpuBackend",
+    "DeltaBudgetWarning",
+    "DeltaModule",
+    "DeltaStats",
     "Executor",
     "MemoryTrace",
     "PlanMismatchError",

@@ -95,6 +95,9 @@ class CpuBackend:
         self._error: Optional[BaseException] = None
         self._counters = dict(offloads=0, prefetches=0, offload_bytes=0, prefetch_bytes=0, cancelled=0)
         self._fetch_wait = 0.0
+        #: bytes of host buffers allocated from the C heap (numpy host tier), pooled or in use:
+        #: a live counter of device memory that reads the C heap subtracts them (live_memory.py)
+        self._heap_bytes = 0
         #: offloads whose copy has run; their sources are dropped by poll() on the caller's thread,
         #: so that the device bytes are freed where torch's profiler sees it, at a stage boundary
         self._done: List[CpuHostHandle] = []
@@ -105,7 +108,10 @@ class CpuBackend:
 
     def _new_buffer(self, nbytes: int) -> np.ndarray:
         if self.host == "numpy":
-            return np.empty(nbytes, dtype=np.uint8)
+            buf = np.empty(nbytes, dtype=np.uint8)
+            with self._lock:
+                self._heap_bytes += nbytes
+            return buf
         f = tempfile.TemporaryFile(dir=self.mmap_dir)
         try:
             f.truncate(nbytes)
@@ -125,6 +131,8 @@ class CpuBackend:
         if h.buf is not None:
             if not self._closed:
                 self._pool[h.nbytes].append(h.buf)
+            elif self.host == "numpy":
+                self._heap_bytes -= h.nbytes
             h.buf = None
         self._live.pop(id(h), None)
 
@@ -145,6 +153,16 @@ class CpuBackend:
             self._counters["offload_bytes"] += n
         self._queue.put(("d2h", h))
         return h
+
+    def offload_in_flight(self, handle: CpuHostHandle) -> bool:
+        """Whether ``handle``'s device bytes are still held for its offload (its copy has not run,
+        or :meth:`poll` has not yet dropped them)."""
+        return handle.source is not None and not handle.keep_source
+
+    def host_heap_bytes(self) -> int:
+        """Bytes of host buffers this backend took from the C heap (pooled or in use; 0 for the
+        mmap host tier, which is not heap memory)."""
+        return self._heap_bytes
 
     def poll(self) -> int:
         """Free the device bytes of every offload whose copy has completed (never blocks); call it
@@ -284,6 +302,7 @@ class CpuBackend:
         with self._lock:
             self._closed = True
             self._pool.clear()
+            self._heap_bytes = 0
             for h in list(self._live.values()):
                 h.buf = None
                 h.source = None

@@ -466,6 +466,12 @@ class CudaBackend(Backend):
             self._service()
             self.stats["releases"] += 1
 
+    def offload_in_flight(self, handle: CudaHostHandle) -> bool:
+        """Whether ``handle``'s offload has not been seen complete (its source is still held,
+        unless a swap deadline let it go)."""
+        slot = handle._slot
+        return slot is not None and slot.offload_event is not None
+
     def poll(self) -> int:
         """Drop the sources of completed offloads and reclaim dropped handles, without blocking.
         Returns the number of offloads still in flight."""

@@ -144,6 +144,7 @@ __all__ = [
     "run_starts",
     "Executor",
     "PlannedModule",
+    "ExecutorModule",
     "execute",
     "default_backend",
     "replay_state_bytes",
@@ -470,6 +471,11 @@ class _InputSlot:
         self.kind, self.rt, self.tensor = "replay", rt, None
         rt.value_refs[self.value] += 1
 
+    def replayed_first(self) -> Optional["_UnitRuntime"]:
+        """The recomputed unit whose replay gives this input back (replayed before the unit
+        that reads it), if any."""
+        return self.rt if self.kind == "replay" else None
+
     def get(self) -> torch.Tensor:
         if self.kind == "tensor":
             t = self.tensor
@@ -584,8 +590,10 @@ class _UnitRuntime:
             todo[rt.unit] = rt
             for ref in rt.seg.inputs:
                 slot = ref.slot
-                if isinstance(slot, _InputSlot) and slot.kind == "replay" and slot.rt is not None:
-                    stack.append(slot.rt)
+                if isinstance(slot, _InputSlot):
+                    first = slot.replayed_first()
+                    if first is not None:
+                        stack.append(first)
         for unit in sorted(todo):
             todo[unit]._replay()
 
@@ -1120,8 +1128,11 @@ class _PlanTracker(UnitTracker):
     def _keep_replay_state(self, index: int) -> None:
         """At a recomputed unit's start: the grad mode, RNG and autocast states its replay restores."""
         if self.state.action(index) == "recompute":
-            rt = self._runtime_for(self.segments[index])
-            assert rt is not None
+            self._save_replay_state(index)
+
+    def _save_replay_state(self, index: int) -> None:
+        rt = self._runtime_for(self.segments[index])
+        if rt is not None:
             rt.grad_enabled = torch.is_grad_enabled()
             rt.rng_cpu = torch.get_rng_state()
             devices = sorted({ref.device.index or 0 for ref in self.segments[index].inputs if ref.device.type == "cuda"})
@@ -1855,7 +1866,36 @@ class Executor:
             self._backend = None
 
 
-class PlannedModule(nn.Module):
+class ExecutorModule(nn.Module):
+    """An ``nn.Module`` that runs ``model``'s training forwards through ``self.executor`` (set
+    by the subclass) and runs the model itself in eval mode or with gradients disabled."""
+
+    model: nn.Module
+    executor: Executor
+
+    @property
+    def backend(self) -> Any:
+        return self.executor.backend
+
+    @property
+    def last_stats(self) -> Optional[StepStats]:
+        """What the latest step did (its backward fills in the rest)."""
+        return self.executor.last_stats
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.model.training or not torch.is_grad_enabled():
+            return self.model(*args, **kwargs)
+        return self.executor.forward(*args, **kwargs)
+
+    def abort_interrupted(self) -> int:
+        """Free what steps interrupted during their backward still hold (see Executor)."""
+        return self.executor.abort_interrupted()
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+class PlannedModule(ExecutorModule):
     """``model`` trained under ``plan``: same parameters, same results, less device memory.
 
     ``plan``: a Plan-format dict or object, a path to a plan JSON file, or a list of actions (one
@@ -1885,27 +1925,6 @@ class PlannedModule(nn.Module):
             model, actions, prefetch, backend, verify=verify, units=units, names=names,
             swap_deadlines=read_swap_deadlines(plan), segment_starts=read_segment_starts(plan),
         )
-
-    @property
-    def backend(self) -> Any:
-        return self.executor.backend
-
-    @property
-    def last_stats(self) -> Optional[StepStats]:
-        """What the latest planned step did (its backward fills in the rest)."""
-        return self.executor.last_stats
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.model.training or not torch.is_grad_enabled():
-            return self.model(*args, **kwargs)
-        return self.executor.forward(*args, **kwargs)
-
-    def abort_interrupted(self) -> int:
-        """Free what steps interrupted during their backward still hold (see Executor)."""
-        return self.executor.abort_interrupted()
-
-    def close(self) -> None:
-        self.executor.close()
 
 
 def execute(

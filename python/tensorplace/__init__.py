@@ -16,6 +16,7 @@ budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches.
 from . import allocator, examples
 from .accumulate import accumulate
 from .api import plan, run
+from .runtime import DeltaRuntime, delta
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
 from .jobs import JobPlans, plan_jobs
@@ -33,10 +34,12 @@ from .planning import (
 __all__ = [
     "accumulate",
     "allocation_sequence",
+    "delta",
     "allocator",
     "plan",
     "run",
     "BudgetError",
+    "DeltaRuntime",
     "JobPlans",
     "Plan",
     "PlannerError",

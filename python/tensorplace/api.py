@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from cuda_exec.delta_policy import DeltaModule
 from cuda_exec.executor import PlannedModule
 from cuda_exec.units import discover_units
 
@@ -17,6 +18,7 @@ from ._core import PlannerError
 from .budget import Budget, format_bytes
 from .planning import Plan, evaluate, plan_profile
 from .profiler import environment, environment_differences, profile_model
+from .runtime import DeltaRuntime, delta_from_plan
 
 
 def _inputs_tuple(example_inputs: Any) -> Tuple[Any, ...]:
@@ -217,19 +219,27 @@ class PlannedTraining(PlannedModule):
 
 def run(
     model: nn.Module,
-    plan: Union[Plan, str, "os.PathLike[str]"],
+    plan: Union[Plan, DeltaRuntime, str, "os.PathLike[str]"],
     *,
     backend: Any = None,
     units: Optional[Iterable[Any]] = None,
     verify: Optional[bool] = None,
-) -> PlannedTraining:
+    runtime: bool = False,
+) -> Union[PlannedTraining, DeltaModule]:
     """``model`` as an ``nn.Module`` that trains under ``plan`` (a Plan or a plan file path).
 
     It shares ``model``'s parameters; use it in your own loop with any optimizer. In eval mode
     or under ``torch.no_grad()`` it simply runs the model. ``backend``: the host tier (default:
     the CPU backend on CPU, the CUDA backend on a GPU). ``verify``: checksum every moved or
     dropped tensor and fail loudly on a mismatch (default: the ``TENSORPLACE_VERIFY`` variable).
+
+    A runtime policy instead of a plan: ``run(model, tensorplace.delta(budget))`` trains under
+    DELTA's runtime policy (no planner: decisions during each step; a ``DeltaModule`` whose
+    ``last_stats`` lists them). ``runtime=True`` with a ``method="delta"`` plan runs that policy
+    with the plan's budget and profile instead of the plan's simulated decisions.
     """
+    if isinstance(plan, DeltaRuntime):
+        return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify, **plan.executor_kwargs())
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if units is None and plan.to_dict().get("unit_modules"):
@@ -242,4 +252,7 @@ def run(
                 "tensorplace.plan(model, example_inputs, budget, units=...)"
             )
         units = [modules[n] for n in names]
+    if runtime:
+        return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify,
+                           **delta_from_plan(plan).executor_kwargs())
     return PlannedTraining(model, plan, backend=backend, units=units, verify=verify)
