@@ -266,24 +266,33 @@ def test_steady_steps_of_a_recompute_plan_track_only_the_recomputed_segments() -
     planned.close()
 
 
-@pytest.mark.parametrize("plan", ["chains", "cycle", "recompute", "swap"])
+@pytest.mark.filterwarnings("ignore::cuda_exec.delta_policy.DeltaBudgetWarning")  # its counter is always over
+@pytest.mark.parametrize("plan", ["chains", "cycle", "recompute", "swap", "delta"])
 def test_a_step_leaves_no_reference_cycles_of_the_executors_objects(plan: str) -> None:
     """Everything a step made is freed by reference counting when its graph goes, not by a later
     garbage collection: objects kept alive across steps by cycles split the holes freed
     activations leave in the C heap, and the heap grew by hundreds of MiB a step on the GPT
-    (page faults made the per-block plan slower than torch's checkpoint)."""
+    (page faults made the per-block plan slower than torch's checkpoint). ``delta``: DELTA's
+    runtime policy, releasing everything it can (swap and recompute)."""
+    from cuda_exec.delta_policy import DeltaModule
+
     model, x, y = make("gpt")
-    n = len(records(model, x))
-    planned = PlannedModule(model, PLANS[plan](n, records(model, x)), backend=CpuBackend())
+    if plan == "delta":
+        planned = DeltaModule(model, 1 << 30, CpuBackend(), memory_counter=lambda: 1 << 40,
+                              bandwidth=(1e6, 1e6))
+    else:
+        recs = records(model, x)
+        planned = PlannedModule(model, PLANS[plan](len(recs), recs), backend=CpuBackend())
     for _ in range(2):
         loss_fn(planned(x), y).backward()
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        for _ in range(2):  # steady steps (the lean path)
+        for _ in range(2):  # steady steps (the lean path of plans)
             loss_fn(planned(x), y).backward()
         assert not planned.last_stats.aborted
+        assert planned.last_stats.replays > 0 or plan == "swap"
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         ours = sorted({type(o).__qualname__ for o in gc.garbage
