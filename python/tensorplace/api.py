@@ -62,7 +62,10 @@ def plan(
 
     ``loss_fn(output)`` gives the scalar the step differentiates (default: cross-entropy for 2-D
     logits, else the sum). ``units``: module classes, instances or names to plan as coarse units
-    (default: leaf modules). ``optimizer``: counted as constant memory. ``search``: settings of
+    (default: leaf modules). ``optimizer``: its state is counted as constant memory, and the step
+    ends with the optimizer's step (its time and memory per unit are measured on a throwaway copy;
+    method ``"tensile"`` may then keep parameters and optimizer state on the host between steps:
+    train such a plan with ``run(model, plan, optimizer=opt)``). ``search``: settings of
     ``plan_profile`` (particles, iterations, seed, threads, ...). The profile is kept on the plan
     (``plan.profile``) and saved with it.
     """
@@ -222,6 +225,7 @@ def run(
     backend: Any = None,
     units: Optional[Iterable[Any]] = None,
     verify: Optional[bool] = None,
+    optimizer: Any = None,
 ) -> PlannedTraining:
     """``model`` as an ``nn.Module`` that trains under ``plan`` (a Plan or a plan file path).
 
@@ -229,6 +233,11 @@ def run(
     or under ``torch.no_grad()`` it simply runs the model. ``backend``: the host tier (default:
     the CPU backend on CPU, the CUDA backend on a GPU). ``verify``: checksum every moved or
     dropped tensor and fail loudly on a mismatch (default: the ``TENSORPLACE_VERIFY`` variable).
+
+    ``optimizer``: needed by a plan that keeps parameters or optimizer state on the host between
+    optimizer steps (``plan.state_swaps``, method ``"tensile"``): its ``step()`` then runs the
+    plan's optimizer step (cuda_exec/cuda_exec/state_swap.py); the loop stays
+    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``close()`` puts it back.
     """
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
@@ -242,4 +251,4 @@ def run(
                 "tensorplace.plan(model, example_inputs, budget, units=...)"
             )
         units = [modules[n] for n in names]
-    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify)
+    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify, optimizer=optimizer)
