@@ -43,6 +43,7 @@ from collections import defaultdict
 from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -188,10 +189,14 @@ class StateSwapper:
         self.unit_params, rest = unit_parameters(names, unit_modules, opt_params)
         self.chunks = optimizer_chunks(self.unit_params, rest)
         others = [b for b in model.buffers()] + list(rest)
-        #: per unit, the parameter storages that can move (exclusive to it)
-        self.param_storages = exclusive_storages(self.unit_params, others)
+        #: per unit, the parameters whose storages can move (no other unit's or buffer's share
+        #: them), and those storages' bytes; the storages themselves change with every move
+        exclusive = exclusive_storages(self.unit_params, others)
+        self.swap_params: List[List[nn.Parameter]] = [[p for _, ps in ex for p in ps] for ex in exclusive]  # type: ignore[misc]
+        self.param_bytes: List[int] = [sum(st.nbytes() for st, _ in ex) for ex in exclusive]
+        del exclusive
         for u in self.params_swapped:
-            if not self.param_storages[u]:
+            if not self.swap_params[u]:
                 raise StateSwapError(
                     f"the plan swaps the parameters of unit {u} ({names[u]}), which has none the optimizer "
                     "updates alone (none, or all shared with other units): re-plan with this model and optimizer"
@@ -205,7 +210,7 @@ class StateSwapper:
         if expected is not None:
             for u in self.params_swapped:
                 want = int(expected[u].get("param_bytes", 0) or 0)
-                have = sum(st.nbytes() for st, _ in self.param_storages[u])
+                have = self.param_bytes[u]
                 if want != have:
                     raise StateSwapError(
                         f"unit {u} ({names[u]}) has {have} bytes of parameters to swap here but {want} in the "
@@ -360,21 +365,29 @@ class StateSwapper:
         one = self._placeholders.get(key)
         if one is None:
             fill = math.nan if (t.dtype.is_floating_point or t.dtype.is_complex) else 0
-            one = self._placeholders[key] = torch.full((), fill, dtype=t.dtype, device=t.device)
+            one = None
+            if t.device.type == "cpu":
+                # in numpy memory: a placeholder takes nothing from torch's allocator (the device
+                # tier on a CPU), which the cost model does not count it in
+                try:
+                    one = torch.from_numpy(np.full((), fill, dtype=torch.empty(0, dtype=t.dtype).numpy().dtype))
+                except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+                    one = None
+            if one is None:
+                one = torch.full((), fill, dtype=t.dtype, device=t.device)
+            self._placeholders[key] = one
         return one.expand(t.shape)
 
     def _groups(self, what: str, u: int) -> List[Tuple[torch.UntypedStorage, List[Tuple[Callable[[torch.Tensor], None], torch.Tensor]]]]:
         """The storages of unit ``u``'s parameters or state to move, with an installer per tensor."""
         if what == _PARAMS:
-            return [(st, [(_param_setter(p), p) for p in ps]) for st, ps in self.param_storages[u]]
-        entries = state_tensors(self.optimizer, self.unit_params[u])
+            entries = [(_param_setter(p), p) for p in self.swap_params[u]]
+        else:
+            entries = [(_state_setter(self.optimizer, p, key), t)
+                       for p, key, t in state_tensors(self.optimizer, self.unit_params[u])]
         groups: Dict[int, Tuple[torch.UntypedStorage, List[Tuple[Callable[[torch.Tensor], None], torch.Tensor]]]] = {}
-        users: Dict[int, int] = defaultdict(int)
-        for _, _, t in entries:
-            users[_storage_key(t)] += 1
-        for p, key, t in entries:
-            k = _storage_key(t)
-            groups.setdefault(k, (t.untyped_storage(), []))[1].append((_state_setter(self.optimizer, p, key), t))
+        for install, t in entries:
+            groups.setdefault(_storage_key(t), (t.untyped_storage(), []))[1].append((install, t))
         return list(groups.values())
 
     def _offload(self, what: str, u: int) -> List[_Moved]:
@@ -446,12 +459,10 @@ class StateSwapper:
             self.materialize()
 
         owners = {self.model}
-        for u in self.params_swapped:
-            for _, ps in self.param_storages[u]:
-                for p in ps:
-                    for m in self.model.modules():
-                        if any(q is p for q in m.parameters(recurse=False)):
-                            owners.add(m)
+        swapped = {id(p) for u in self.params_swapped for p in self.swap_params[u]}
+        for m in self.model.modules():
+            if any(id(q) in swapped for q in m.parameters(recurse=False)):
+                owners.add(m)
         for m in owners:
             if hasattr(m, "register_state_dict_pre_hook"):
                 self._hooks.append(m.register_state_dict_pre_hook(bring_back))

@@ -599,53 +599,53 @@ def _optimizer_step_profile(optimizer: Any, names: Sequence[str], unit_map: Dict
     chunks = state_swap.optimizer_chunks(per_unit, rest)
     costs: Dict[int, Tuple[float, int]] = {}
     state_bytes: Dict[int, int] = {}
-    with _memory_recording(device) as events:
-        for k, (u, params) in enumerate(chunks):
-            if not params:
-                continue
-            clones = []
-            for p in params:
-                q = nn.Parameter(p.detach().clone())
-                q.grad = torch.zeros_like(p)
-                clones.append(q)
-            by_group: Dict[int, List[nn.Parameter]] = {}
-            for p, q in zip(params, clones):
-                by_group.setdefault(groups_of[id(p)], []).append(q)
-            options = [({k2: v for k2, v in optimizer.param_groups[gi].items() if k2 != "params"}, qs)
-                       for gi, qs in sorted(by_group.items())]
-            try:
-                probe = _throwaway_optimizer(optimizer, options)
-                probe.step()  # creates the state (lazy optimizers)
-                times = []
-                for _ in range(max(1, int(repeats))):
-                    clock.sync()
-                    t0 = clock.now()
-                    probe.step()
-                    t1 = clock.now()
-                    clock.sync()
-                    times.append(clock.seconds(t0, t1))
-                with torch.profiler.record_function(_MARK + f"R{k}"):
+    for k, (u, params) in enumerate(chunks):
+        if not params:
+            continue
+        clones = []
+        for p in params:
+            q = nn.Parameter(p.detach().clone())
+            q.grad = torch.zeros_like(p)
+            clones.append(q)
+        by_group: Dict[int, List[nn.Parameter]] = {}
+        for p, q in zip(params, clones):
+            by_group.setdefault(groups_of[id(p)], []).append(q)
+        options = [({k2: v for k2, v in optimizer.param_groups[gi].items() if k2 != "params"}, qs)
+                   for gi, qs in sorted(by_group.items())]
+        try:
+            probe = _throwaway_optimizer(optimizer, options)
+            probe.step()  # creates the state (lazy optimizers)
+            times = []
+            for _ in range(max(1, int(repeats))):
+                clock.sync()
+                t0 = clock.now()
+                probe.step()
+                t1 = clock.now()
+                clock.sync()
+                times.append(clock.seconds(t0, t1))
+            gc.collect()
+            with _memory_recording(device) as events:
+                with torch.profiler.record_function(_MARK + "R0"):
                     pass
                 probe.step()
                 clock.sync()
-                with torch.profiler.record_function(_MARK + f"r{k}"):
+                with torch.profiler.record_function(_MARK + "r0"):
                     pass
-            except Exception as exc:  # noqa: BLE001 - any failure means we cannot measure
-                raise ProfilerError(
-                    f"cannot measure the optimizer step of {type(optimizer).__name__} on a copy of its parameters "
-                    f"({type(exc).__name__}: {exc}); leave optimizer= out to profile without the optimizer step"
-                ) from exc
-            costs[k] = (statistics.median(times), 0)
-            if u < len(per_unit):
-                # the real state where the optimizer has one, else what the copy's step created
-                total = 0
-                for p, q in zip(params, clones):
-                    real = state_swap.state_tensors(optimizer, [p])
-                    ts = real if real else state_swap.state_tensors(probe, [q])
-                    total += _storage_bytes(t for _, _, t in ts)
-                state_bytes[u] = total
-            del probe, clones
-    windows = _replay_windows(events)
+        except Exception as exc:  # noqa: BLE001 - any failure means we cannot measure
+            raise ProfilerError(
+                f"cannot measure the optimizer step of {type(optimizer).__name__} on a copy of its parameters "
+                f"({type(exc).__name__}: {exc}); leave optimizer= out to profile without the optimizer step"
+            ) from exc
+        costs[k] = (statistics.median(times), int(_replay_windows(events).get(0, 0)))
+        if u < len(per_unit):
+            # the real state where the optimizer has one, else what the copy's step created
+            total = 0
+            for p, q in zip(params, clones):
+                real = state_swap.state_tensors(optimizer, [p])
+                ts = real if real else state_swap.state_tensors(probe, [q])
+                total += _storage_bytes(t for _, _, t in ts)
+            state_bytes[u] = total
+        del probe, clones
     units: List[Dict[str, Any]] = [
         {"param_bytes": sum(st.nbytes() for st, _ in exclusive[u]), "optimizer_state_bytes": 0,
          "optimizer_time": 0.0, "optimizer_transient_bytes": 0}
@@ -655,7 +655,7 @@ def _optimizer_step_profile(optimizer: Any, names: Sequence[str], unit_map: Dict
     for k, (u, _) in enumerate(chunks):
         if k not in costs:
             continue
-        time_k, transient_k = costs[k][0], int(windows.get(k, 0))
+        time_k, transient_k = costs[k]
         if u < len(per_unit):
             units[u].update(optimizer_state_bytes=state_bytes.get(u, 0), optimizer_time=time_k,
                             optimizer_transient_bytes=transient_k)
