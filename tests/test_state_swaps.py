@@ -16,7 +16,7 @@ from torch import nn
 
 import tensorplace as tp
 from cuda_exec.gpu import cuda_available, cuda_status
-from cuda_exec.memory import measure_peak
+from cuda_exec.memory import measure_peak, resident_state_bytes
 from cuda_exec.state_swap import StateSwapError
 
 OPTIMIZERS: Dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -54,19 +54,7 @@ def swapping_everything(probe: tp.Plan, actions: Optional[List[str]] = None) -> 
 
 
 def resident_bytes(model: nn.Module, opt: Any, x: torch.Tensor) -> int:
-    """Bytes of the storages of parameters, buffers, optimizer state and inputs on the device now
-    (what is alive when a measured step starts; placeholders count their one element)."""
-    seen, total = set(), 0
-    tensors = list(model.parameters()) + list(model.buffers()) + [x]
-    tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    for t in tensors:
-        if t.numel() > 1 and all(s == 0 for s in t.stride()):
-            continue  # a placeholder of a tensor on the host (numpy memory on a CPU)
-        st = t.untyped_storage()
-        if st._cdata not in seen:
-            seen.add(st._cdata)
-            total += st.nbytes()
-    return total
+    return resident_state_bytes(model, opt, x)
 
 
 def train_alike(model: nn.Module, fast: nn.Module, ref: nn.Module, opt: Any, opt_ref: Any, x: torch.Tensor,

@@ -6,6 +6,8 @@
   recompute per unit.
 - :mod:`cuda_exec.cpu_backend`: the CPU host tier (numpy or mmap memory, one copy thread, an
   optional bandwidth cap); :mod:`cuda_exec.cuda_backend`: pinned memory and a copy stream on CUDA.
+- :mod:`cuda_exec.state_swap`: :class:`StateSwapper` keeps parameters and optimizer state in the
+  host tier between optimizer steps (a plan's ``state_swaps``).
 - :mod:`cuda_exec.memory`: the peak of torch's own allocation records for one step.
 - :mod:`cuda_exec.verify`: checksums for verify mode (``TENSORPLACE_VERIFY=1``).
 """
@@ -22,7 +24,8 @@ from .executor import (
     execute,
     read_plan,
 )
-from .memory import MemoryTrace, measure_peak, memory_trace
+from .memory import MemoryTrace, measure_peak, memory_trace, resident_state_bytes
+from .state_swap import StateSwapError, StateSwapper
 from .units import UnitRecord, UnitTracker, discover_units, is_replaying, sequence_mismatch, unit_kind
 from .verify import VerificationError
 
@@ -35,6 +38,8 @@ __all__ = [
     "PlannedModule",
     "ReplayError",
     "StepAbortedError",
+    "StateSwapError",
+    "StateSwapper",
     "StepStats",
     "UnitRecord",
     "UnitTracker",
@@ -45,6 +50,7 @@ __all__ = [
     "measure_peak",
     "memory_trace",
     "read_plan",
+    "resident_state_bytes",
     "sequence_mismatch",
     "unit_kind",
 ]

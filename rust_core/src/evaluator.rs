@@ -367,18 +367,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     /// Before something that needs `extra` bytes on top of `mem`: wait for queued swap-outs
     /// (in FIFO order) until it fits; if nothing is left to wait for, record the excess.
     fn make_room(&mut self, extra: u64) {
-        while self.mem + extra > self.budget && self.head < self.s.queue.len() {
-            let (end, item) = self.s.queue[self.head];
-            self.head += 1;
-            if !self.queued(item) {
-                continue;
-            }
-            if end > self.t {
-                self.stall += end - self.t;
-                self.t = end;
-            }
-            self.release(item);
-        }
+        while self.mem + extra > self.budget && self.wait_next_swap_out() {}
         let total = self.mem + extra;
         if total > self.budget {
             let over = total - self.budget;
@@ -393,6 +382,25 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.excess = self.excess.max(over);
         }
         self.touch(total);
+    }
+
+    /// Wait (swap stall) for the next queued swap-out that still holds device bytes, and release
+    /// it; false if none is left.
+    fn wait_next_swap_out(&mut self) -> bool {
+        while self.head < self.s.queue.len() {
+            let (end, item) = self.s.queue[self.head];
+            self.head += 1;
+            if !self.queued(item) {
+                continue;
+            }
+            if end > self.t {
+                self.stall += end - self.t;
+                self.t = end;
+            }
+            self.release(item);
+            return true;
+        }
+        false
     }
 
     /// The swap-out `item` still holds device bytes (it was not cancelled or freed).
@@ -974,18 +982,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         // waits for the unfinished swap events of the iteration); the wait is swap stall.
         // (No deadline is recorded: the executor waits for all of them when the step ends.)
         sim.record = false;
-        while sim.head < sim.s.queue.len() {
-            let (end, item) = sim.s.queue[sim.head];
-            sim.head += 1;
-            if !sim.queued(item) {
-                continue;
-            }
-            if end > sim.t {
-                sim.stall += end - sim.t;
-                sim.t = end;
-            }
-            sim.release(item);
-        }
+        while sim.wait_next_swap_out() {}
     }
 
     let opt_time: f64 = if g.has_optimizer { g.opt_time.iter().sum::<f64>() + g.opt_other_time } else { 0.0 };

@@ -102,23 +102,31 @@ pub fn smallest_known_budget(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>
     for a in [Action::Swap, Action::Recompute] {
         let plan = vec![a; g.n];
         let feasible = |b: u64, s: &mut Scratch| evaluate(g, &plan, b, opts, s, false).feasible;
-        if !feasible(best.0, &mut scratch) {
-            continue;
-        }
-        let (mut lo, mut hi) = (lb.saturating_sub(1), best.0);
-        while hi - lo > 1.max(hi / 100_000) {
-            let mid = lo + (hi - lo) / 2;
-            if feasible(mid, &mut scratch) {
-                hi = mid;
-            } else {
-                lo = mid;
+        if let Some(b) = bisect(lb, best.0, &mut scratch, feasible) {
+            if b < best.0 {
+                best = (b, plan);
             }
-        }
-        if hi < best.0 {
-            best = (hi, plan);
         }
     }
     best
+}
+
+/// The smallest budget in (lo, hi] at which `feasible` holds, by bisection to 0.001% (None if it
+/// does not hold at `hi`).
+fn bisect(lo: u64, hi: u64, scratch: &mut Scratch, feasible: impl Fn(u64, &mut Scratch) -> bool) -> Option<u64> {
+    if !feasible(hi, scratch) {
+        return None;
+    }
+    let (mut lo, mut hi) = (lo.saturating_sub(1), hi);
+    while hi - lo > 1.max(hi / 100_000) {
+        let mid = lo + (hi - lo) / 2;
+        if feasible(mid, scratch) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
 }
 
 /// [`smallest_known_budget`] for plans that may also keep parameters and optimizer state on the
@@ -127,29 +135,19 @@ pub fn smallest_known_budget_with_swaps(g: &Graph, opts: &EvalOptions) -> (u64, 
     let (lb, _) = lower_bound_with_state_swaps(g);
     let (hi0, plan0) = smallest_known_budget(g, opts);
     let mut best = (hi0, plan0, StateSwaps::none());
-    if !StateSwaps::all(g).any(g) {
+    let all = StateSwaps::all(g);
+    if !all.any(g) {
         return best;
     }
     let mut scratch = Scratch::new(g.n);
-    let all = StateSwaps::all(g);
     for a in [Action::Retain, Action::Swap, Action::Recompute] {
         let plan = vec![a; g.n];
         let feasible =
             |b: u64, s: &mut Scratch| evaluate_with_swaps(g, &plan, &g.block_start, &all, b, opts, s, false).feasible;
-        if !feasible(best.0, &mut scratch) {
-            continue;
-        }
-        let (mut lo, mut hi) = (lb.saturating_sub(1), best.0);
-        while hi - lo > 1.max(hi / 100_000) {
-            let mid = lo + (hi - lo) / 2;
-            if feasible(mid, &mut scratch) {
-                hi = mid;
-            } else {
-                lo = mid;
+        if let Some(b) = bisect(lb, best.0, &mut scratch, feasible) {
+            if b < best.0 {
+                best = (b, plan, all.clone());
             }
-        }
-        if hi < best.0 {
-            best = (hi, plan, all.clone());
         }
     }
     best

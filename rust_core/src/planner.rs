@@ -174,21 +174,11 @@ pub fn plan_from_actions(
     actions: Vec<Action>,
     eval: &EvalOptions,
 ) -> Result<Plan> {
-    let lb = check_budget(profile, budget, eval)?;
-    let g = profile.graph()?;
-    if actions.len() != g.n {
-        return Err(CoreError::InvalidPlan(format!(
-            "{} actions for {} units; give one action per unit",
-            actions.len(),
-            g.n
-        )));
-    }
-    let starts = g.block_start.clone();
-    finish(profile, &g, budget, method, method_settings, actions, &StateSwaps::none(), &starts, None, eval, lb, None)
+    plan_from_actions_with_swaps(profile, budget, method, method_settings, actions, &StateSwaps::none(), eval)
 }
 
 /// [`plan_from_actions`] with parameters and optimizer state swapped across iterations: the
-/// bounds and refusals are those of plans that can swap them.
+/// bounds and refusals are then those of plans that can swap them.
 pub fn plan_from_actions_with_swaps(
     profile: &Profile,
     budget: u64,
@@ -199,12 +189,10 @@ pub fn plan_from_actions_with_swaps(
     eval: &EvalOptions,
 ) -> Result<Plan> {
     let g = profile.graph()?;
-    if !swaps.any(&g) {
-        return plan_from_actions(profile, budget, method, method_settings, actions, eval);
-    }
-    let (lb, _) = lower_bound_with_state_swaps(&g);
+    let swapping = swaps.any(&g);
+    let (lb, _) = if swapping { lower_bound_with_state_swaps(&g) } else { lower_bound(&g) };
     if budget < lb {
-        let smallest = smallest_budget(&g, eval, true);
+        let smallest = smallest_budget(&g, eval, swapping);
         return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
     }
     if actions.len() != g.n {
@@ -235,7 +223,8 @@ fn finish(
 ) -> Result<Plan> {
     let outcome = evaluate_with_swaps(g, &actions, starts, swaps, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
-        let smallest = smallest_budget(g, eval, method == "tensile" && crate::methods::tensile::swappable(g));
+        let swapping = swaps.any(g) || (method == "tensile" && crate::methods::tensile::swappable(g));
+        let smallest = smallest_budget(g, eval, swapping);
         return Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest.max(lb), lower_bound: lb });
     }
     let mut plan = Plan::new(profile, budget, method, method_settings, actions, &outcome);

@@ -19,6 +19,5 @@ pub fn read_versioned<T: DeserializeOwned>(text: &str, kind: &str, format: &str,
         let reads = if version == 1 { "version 1".to_string() } else { format!("versions 1 to {version}") };
         return Err(CoreError::Format(format!("{kind} version {v} is not supported (this tensorplace reads {reads}); {remedy}")));
     }
-    serde_json::from_value(value)
-        .map_err(|e| CoreError::Format(format!("{kind} does not match format version {version}: {e}")))
+    serde_json::from_value(value).map_err(|e| CoreError::Format(format!("{kind} does not match format version {v}: {e}")))
 }

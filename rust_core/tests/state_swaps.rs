@@ -263,3 +263,25 @@ fn a_plan_with_state_swaps_is_version_2_and_older_versions_say_so() {
     let err = Plan::from_json(&v.to_string()).unwrap_err().to_string();
     assert!(err.contains("version 3") && err.contains("versions 1 to 2"), "{err}");
 }
+
+#[test]
+fn the_allocation_sequence_follows_the_memory_count_with_swaps() {
+    use tensorplace_core::alloc_sequence::allocation_sequence_with_swaps;
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for case in 0..40 {
+        let n = rng.gen_range(2..6);
+        let f: Vec<f64> = (0..n).map(|_| rng.gen_range(0.1..2.0)).collect();
+        let acts: Vec<i64> = (0..n).map(|_| rng.gen_range(1..50)).collect();
+        let params: Vec<i64> = (0..n).map(|_| rng.gen_range(0..80)).collect();
+        let p = with_optimizer(chain(&f, &acts, 3, [2.0, 40.0][case % 2]), &params, 0.3, rng.gen_range(0..10));
+        let g = p.graph().unwrap();
+        let a: Vec<Action> = (0..n).map(|_| Action::ALL[rng.gen_range(0..3)]).collect();
+        let sw = StateSwaps { params: (0..n).map(|_| rng.gen_bool(0.5)).collect(), states: (0..n).map(|_| rng.gen_bool(0.5)).collect() };
+        for budget in [u64::MAX, run(&p, &a, &sw, u64::MAX).peak_bytes * 9 / 10] {
+            let seq = allocation_sequence_with_swaps(&g, &a, &g.block_start, &sw, budget, &EvalOptions::default()).unwrap();
+            assert_eq!(seq.constant, g.constant - sw.host_bytes(&g));
+            assert_eq!(seq.requested_peak(), seq.outcome.peak_bytes, "case {case}");
+            assert_eq!(*seq.requested().last().unwrap_or(&seq.constant), seq.outcome.end_bytes, "case {case}");
+        }
+    }
+}
