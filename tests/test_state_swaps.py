@@ -119,8 +119,12 @@ def test_the_profiler_records_the_optimizer_step_per_unit() -> None:
     assert sum(u["param_bytes"] for u in prof["units"]) <= prof["memory"]["parameters"]
     assert sum(u["optimizer_state_bytes"] for u in prof["units"]) <= prof["memory"]["optimizer_state"]
     assert not opt.state, "the user's optimizer was stepped"
-    # the step now ends with the optimizer's stages
-    pred = tp.evaluate(prof, ["retain"] * len(prof["units"]), 2**40)
+    assert prof["optimizer"]["step_time"] > 0 and prof["optimizer"]["transient_bytes"] >= 0
+    # the step now ends with the optimizer step: in one call, or (swapping) one call per unit
+    n = len(prof["units"])
+    pred = tp.evaluate(prof, ["retain"] * n, 2**40)
+    assert pred["curve"][-1]["stage"] == "opt" and len(pred["curve"]) == 2 * n + 1
+    pred = tp.evaluate(prof, ["retain"] * n, 2**40, swap_optimizer_state=[4])
     assert [c["stage"] for c in pred["curve"]][-4:] == ["opt:4", "opt:2", "opt:0", "opt:5"]
     # without an optimizer, a profile has none of the fields
     plain = tp.plan(model, x, budget=2**40, loss_fn=loss_fn, method="retain", repeats=1).to_dict()["profile"]

@@ -110,7 +110,8 @@ optimizer step over those parameters alone: the median of `repeats` timed steps,
 of allocations above its start). They are measured on a throwaway optimizer of the same class
 and options over clones with zero gradients, one unit at a time (so also when the user's
 optimizer has no state yet); `optimizer.other_time` / `other_transient_bytes` are the same for
-the parameters of no unit.
+the parameters of no unit, and `optimizer.step_time` / `transient_bytes` for one whole step over
+every parameter (what runs when a plan swaps nothing across iterations).
 - inputs: bytes of the storages of the example input tensors.
 - workspace: on a GPU, what is allocated when the step starts beyond the above (cuBLAS keeps a
   workspace per handle, allocated before the first step); 0 on a CPU.
@@ -602,41 +603,8 @@ def _optimizer_step_profile(optimizer: Any, names: Sequence[str], unit_map: Dict
     for k, (u, params) in enumerate(chunks):
         if not params:
             continue
-        clones = []
-        for p in params:
-            q = nn.Parameter(p.detach().clone())
-            q.grad = torch.zeros_like(p)
-            clones.append(q)
-        by_group: Dict[int, List[nn.Parameter]] = {}
-        for p, q in zip(params, clones):
-            by_group.setdefault(groups_of[id(p)], []).append(q)
-        options = [({k2: v for k2, v in optimizer.param_groups[gi].items() if k2 != "params"}, qs)
-                   for gi, qs in sorted(by_group.items())]
-        try:
-            probe = _throwaway_optimizer(optimizer, options)
-            probe.step()  # creates the state (lazy optimizers)
-            times = []
-            for _ in range(max(1, int(repeats))):
-                clock.sync()
-                t0 = clock.now()
-                probe.step()
-                t1 = clock.now()
-                clock.sync()
-                times.append(clock.seconds(t0, t1))
-            gc.collect()
-            with _memory_recording(device) as events:
-                with torch.profiler.record_function(_MARK + "R0"):
-                    pass
-                probe.step()
-                clock.sync()
-                with torch.profiler.record_function(_MARK + "r0"):
-                    pass
-        except Exception as exc:  # noqa: BLE001 - any failure means we cannot measure
-            raise ProfilerError(
-                f"cannot measure the optimizer step of {type(optimizer).__name__} on a copy of its parameters "
-                f"({type(exc).__name__}: {exc}); leave optimizer= out to profile without the optimizer step"
-            ) from exc
-        costs[k] = (statistics.median(times), int(_replay_windows(events).get(0, 0)))
+        time_k, transient_k, probe, clones = _optimizer_part(optimizer, params, groups_of, clock, device, repeats)
+        costs[k] = (time_k, transient_k)
         if u < len(per_unit):
             # the real state where the optimizer has one, else what the copy's step created
             total = 0
@@ -646,12 +614,14 @@ def _optimizer_step_profile(optimizer: Any, names: Sequence[str], unit_map: Dict
                 total += _storage_bytes(t for _, _, t in ts)
             state_bytes[u] = total
         del probe, clones
+    whole = _optimizer_part(optimizer, opt_params, groups_of, clock, device, repeats)[:2]
     units: List[Dict[str, Any]] = [
         {"param_bytes": sum(st.nbytes() for st, _ in exclusive[u]), "optimizer_state_bytes": 0,
          "optimizer_time": 0.0, "optimizer_transient_bytes": 0}
         for u in range(len(per_unit))
     ]
-    other = {"name": type(optimizer).__name__, "other_time": 0.0, "other_transient_bytes": 0}
+    other = {"name": type(optimizer).__name__, "other_time": 0.0, "other_transient_bytes": 0,
+             "step_time": whole[0], "transient_bytes": whole[1]}
     for k, (u, _) in enumerate(chunks):
         if k not in costs:
             continue
@@ -662,6 +632,49 @@ def _optimizer_step_profile(optimizer: Any, names: Sequence[str], unit_map: Dict
         else:
             other.update(other_time=time_k, other_transient_bytes=transient_k)
     return units, other
+
+
+def _optimizer_part(optimizer: Any, params: Sequence[nn.Parameter], groups_of: Dict[int, int], clock: "_Clock",
+                    device: torch.device, repeats: int) -> Tuple[float, int, Any, List[nn.Parameter]]:
+    """One optimizer step over ``params`` alone, on a throwaway optimizer of ``optimizer``'s class
+    and group options over clones with zero gradients (after a first step that creates the
+    state): (median seconds of ``repeats`` steps, peak allocations of one step above its start,
+    the throwaway optimizer, the clones)."""
+    clones = []
+    for p in params:
+        q = nn.Parameter(p.detach().clone())
+        q.grad = torch.zeros_like(p)
+        clones.append(q)
+    by_group: Dict[int, List[nn.Parameter]] = {}
+    for p, q in zip(params, clones):
+        by_group.setdefault(groups_of[id(p)], []).append(q)
+    options = [({k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}, qs)
+               for gi, qs in sorted(by_group.items())]
+    try:
+        probe = _throwaway_optimizer(optimizer, options)
+        probe.step()  # creates the state (lazy optimizers)
+        times = []
+        for _ in range(max(1, int(repeats))):
+            clock.sync()
+            t0 = clock.now()
+            probe.step()
+            t1 = clock.now()
+            clock.sync()
+            times.append(clock.seconds(t0, t1))
+        gc.collect()
+        with _memory_recording(device) as events:
+            with torch.profiler.record_function(_MARK + "R0"):
+                pass
+            probe.step()
+            clock.sync()
+            with torch.profiler.record_function(_MARK + "r0"):
+                pass
+    except Exception as exc:  # noqa: BLE001 - any failure means we cannot measure
+        raise ProfilerError(
+            f"cannot measure the optimizer step of {type(optimizer).__name__} on a copy of its parameters "
+            f"({type(exc).__name__}: {exc}); leave optimizer= out to profile without the optimizer step"
+        ) from exc
+    return statistics.median(times), int(_replay_windows(events).get(0, 0)), probe, clones
 
 
 def _probe_state_bytes(optimizer: Any, group: Dict[str, Any], p: torch.Tensor) -> int:

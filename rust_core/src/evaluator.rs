@@ -52,13 +52,15 @@ impl Score {
     }
 }
 
-/// Which stage of the step: forward or backward of a unit, or the optimizer step over a unit's
-/// parameters (`Opt(n)`: over the parameters of no unit).
+/// Which stage of the step: forward or backward of a unit, the whole optimizer step in one call,
+/// or (a plan that swaps parameters or optimizer state across iterations) the optimizer step over
+/// a unit's parameters (`Opt(n)`: over the parameters of no unit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     Start,
     Fwd(usize),
     Bwd(usize),
+    OptStep,
     Opt(usize),
 }
 
@@ -68,6 +70,7 @@ impl Stage {
             Stage::Start => "start".into(),
             Stage::Fwd(i) => format!("fwd:{i}"),
             Stage::Bwd(i) => format!("bwd:{i}"),
+            Stage::OptStep => "opt".into(),
             Stage::Opt(i) => format!("opt:{i}"),
         }
     }
@@ -349,7 +352,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         let still = match self.stage {
             Stage::Start => true,
             Stage::Fwd(s) => g.linger_until[u] >= s,
-            Stage::Bwd(_) | Stage::Opt(_) => g.linger_until[u] >= g.n,
+            Stage::Bwd(_) | Stage::OptStep | Stage::Opt(_) => g.linger_until[u] >= g.n,
         };
         let keep = if still { g.linger[u] } else { 0 };
         self.mem -= g.act[u] - keep;
@@ -952,9 +955,21 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         sim.end_stage(t0);
     }
 
-    // The optimizer stages: each updates a unit's parameters (with its optimizer state, waiting
-    // for its prefetch), then queues the swap-outs of what the plan keeps on the host.
-    for (k, &u) in g.opt_order.iter().enumerate() {
+    // The optimizer step: one call when nothing is swapped across iterations; else one stage per
+    // unit, each updating the unit's parameters (with its optimizer state, waiting for its
+    // prefetch), then queueing the swap-outs of what the plan keeps on the host.
+    if g.has_optimizer && !schedule.any {
+        let t0 = sim.t;
+        sim.begin_stage(Stage::OptStep);
+        sim.make_room(g.opt_step_transient);
+        sim.ev.alloc(What::OptWork(n), g.opt_step_transient, sim.t);
+        sim.t += g.opt_step_time;
+        sim.ev.free(What::OptWork(n), sim.t);
+        sim.touch(sim.mem);
+        sim.end_stage(t0);
+    }
+    let chunks: &[usize] = if schedule.any { &g.opt_order } else { &[] };
+    for (k, &u) in chunks.iter().enumerate() {
         let t0 = sim.t;
         sim.begin_stage(Stage::Opt(u));
         for j in 0..schedule.at_opt[k].len() {
@@ -985,7 +1000,11 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         while sim.wait_next_swap_out() {}
     }
 
-    let opt_time: f64 = if g.has_optimizer { g.opt_time.iter().sum::<f64>() + g.opt_other_time } else { 0.0 };
+    let opt_time: f64 = match (g.has_optimizer, schedule.any) {
+        (false, _) => 0.0,
+        (true, false) => g.opt_step_time,
+        (true, true) => g.opt_time.iter().sum::<f64>() + g.opt_other_time,
+    };
     let compute_time: f64 = g.fwd_time.iter().sum::<f64>() + g.bwd_time.iter().sum::<f64>() + opt_time;
     let feasible = sim.excess == 0;
     Outcome {

@@ -22,8 +22,7 @@ pub fn unplanned_peak(g: &Graph) -> u64 {
 /// inputs (as whole activations when saved, since activations move as one), and unsaved outputs
 /// of earlier units still waiting for a later reader. Backward of unit i: constant memory, the
 /// gradients produced so far, the stage's transient, and the activations the stage reads.
-/// Optimizer stages (a profile with an optimizer step): constant memory, every gradient and the
-/// stage's transient.
+/// The optimizer step (a profile with one): constant memory, every gradient and its transient.
 pub fn lower_bound(g: &Graph) -> (u64, Stage) {
     bound(g, false)
 }
@@ -32,8 +31,10 @@ pub fn lower_bound(g: &Graph) -> (u64, Stage) {
 /// between steps (crate::state_swap): as [`lower_bound`], less the optimizer state of every unit
 /// except the one an optimizer stage updates, and less the parameters of units whose forward
 /// has not run yet (in the forward) or whose optimizer stage has run (in the optimizer stages).
+/// A plan that swaps nothing runs the optimizer step in one call: the smaller of the two bounds.
 pub fn lower_bound_with_state_swaps(g: &Graph) -> (u64, Stage) {
-    bound(g, true)
+    let (a, b) = (bound(g, true), bound(g, false));
+    if a.0 <= b.0 { a } else { b }
 }
 
 fn bound(g: &Graph, swapping: bool) -> (u64, Stage) {
@@ -77,8 +78,15 @@ fn bound(g: &Graph, swapping: bool) -> (u64, Stage) {
             best = (need, Stage::Bwd(i));
         }
     }
+    if g.has_optimizer && !swapping {
+        let need = g.constant + grads + g.opt_step_transient;
+        if need > best.0 {
+            best = (need, Stage::OptStep);
+        }
+    }
     let mut params_out = 0u64; // parameters of units whose optimizer stage has run
-    for &u in &g.opt_order {
+    let chunks: &[usize] = if swapping { &g.opt_order } else { &[] };
+    for &u in chunks {
         let (_, transient) = g.opt_stage(u);
         let state = if swapping && u < g.n { g.opt_state[u] } else { 0 };
         let need = g.constant - states + state - params_out + grads + transient;

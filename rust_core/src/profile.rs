@@ -118,6 +118,13 @@ pub struct OptimizerStep {
     /// Memory that part allocates while it runs.
     #[serde(default)]
     pub other_transient_bytes: i64,
+    /// Seconds of one whole optimizer step (one call over every parameter: what runs when no
+    /// parameters or optimizer state are swapped across iterations).
+    #[serde(default)]
+    pub step_time: f64,
+    /// Memory one whole step allocates while it runs.
+    #[serde(default)]
+    pub transient_bytes: i64,
 }
 
 fn default_kind() -> String {
@@ -223,11 +230,14 @@ pub struct Graph {
     /// Time and transient of stage `opt:n` (the parameters of no unit).
     pub opt_other_time: f64,
     pub opt_other_transient: u64,
+    /// Time and transient of the whole optimizer step in one call (stage `opt`).
+    pub opt_step_time: f64,
+    pub opt_step_transient: u64,
 }
 
 impl Graph {
     /// Position of a stage in the step (and in an outcome's curve): forward stage i is i,
-    /// backward stage i is 2n-1-i, the k-th optimizer stage is 2n+k.
+    /// backward stage i is 2n-1-i, the whole optimizer step or the k-th optimizer stage 2n+k.
     pub fn stage_index(&self, stage: crate::evaluator::Stage) -> usize {
         use crate::evaluator::Stage;
         match stage {
@@ -235,6 +245,7 @@ impl Graph {
             Stage::Fwd(i) => i,
             Stage::Bwd(i) => 2 * self.n - 1 - i,
             Stage::Opt(u) => 2 * self.n + self.opt_order.iter().position(|&v| v == u).unwrap_or(0),
+            Stage::OptStep => 2 * self.n,
         }
     }
 
@@ -318,7 +329,7 @@ impl Profile {
             }
         }
         if let Some(o) = &self.optimizer {
-            h.update(format!("optimizer{}|{};", o.name, o.other_transient_bytes));
+            h.update(format!("optimizer{}|{}|{};", o.name, o.other_transient_bytes, o.transient_bytes));
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
@@ -643,6 +654,8 @@ impl Profile {
             opt_order,
             opt_other_time: other.other_time,
             opt_other_transient: other.other_transient_bytes.max(0) as u64,
+            opt_step_time: other.step_time,
+            opt_step_transient: other.transient_bytes.max(0) as u64,
         })
     }
 }
@@ -666,10 +679,11 @@ impl Profile {
             )));
         }
         if let Some(o) = &self.optimizer {
-            if !(o.other_time.is_finite() && o.other_time >= 0.0) || o.other_transient_bytes < 0 {
+            let times = [o.other_time, o.step_time];
+            if !times.iter().all(|t| t.is_finite() && *t >= 0.0) || o.other_transient_bytes < 0 || o.transient_bytes < 0 {
                 return Err(CoreError::InvalidProfile(format!(
-                    "optimizer has other_time {} and other_transient_bytes {}; they must be >= 0",
-                    o.other_time, o.other_transient_bytes
+                    "optimizer has other_time {}, other_transient_bytes {}, step_time {}, transient_bytes {}; they must be >= 0",
+                    o.other_time, o.other_transient_bytes, o.step_time, o.transient_bytes
                 )));
             }
         }

@@ -97,6 +97,8 @@ pub struct StateSchedule {
     pub at_opt: Vec<Vec<usize>>,
     /// Bytes on the host when the step starts.
     pub host_bytes: u64,
+    /// Something is swapped: the optimizer step runs as one stage per unit.
+    pub any: bool,
 }
 
 impl StateSchedule {
@@ -110,8 +112,9 @@ impl StateSchedule {
             at_bwd: vec![Vec::new(); n],
             at_opt: vec![Vec::new(); g.opt_order.len()],
             host_bytes: swaps.host_bytes(g),
+            any: !(pu.is_empty() && su.is_empty()),
         };
-        if pu.is_empty() && su.is_empty() {
+        if !s.any {
             return s;
         }
         // Compute-only start times: forward stages, then backward stages, then optimizer stages.

@@ -23,7 +23,15 @@ fn with_optimizer(mut p: Profile, params: &[i64], opt_time: f64, opt_transient: 
         u.optimizer_time = Some(opt_time);
         u.optimizer_transient_bytes = Some(opt_transient);
     }
-    p.optimizer = Some(OptimizerStep { name: "Adam".into(), other_time: 0.0, other_transient_bytes: 0 });
+    // the whole step in one call: every part's time, and the largest part's transient
+    let step_time = opt_time * params.len() as f64;
+    p.optimizer = Some(OptimizerStep {
+        name: "Adam".into(),
+        other_time: 0.0,
+        other_transient_bytes: 0,
+        step_time,
+        transient_bytes: opt_transient,
+    });
     p
 }
 
@@ -57,18 +65,28 @@ fn a_profile_without_an_optimizer_step_evaluates_as_before() {
 }
 
 #[test]
-fn the_optimizer_stages_follow_the_backward_with_their_time_and_transient() {
-    let p = with_optimizer(chain(&[1.0, 2.0], &[10, 20], 5, 1.0), &[3, 4], 0.5, 7);
+fn the_optimizer_step_follows_the_backward_with_its_time_and_transient() {
+    let mut p = with_optimizer(chain(&[1.0, 2.0], &[10, 20], 5, 1.0), &[3, 4], 0.5, 7);
+    p.optimizer.as_mut().unwrap().step_time = 0.8;
+    p.optimizer.as_mut().unwrap().transient_bytes = 9;
     let g = p.graph().unwrap();
     assert_eq!(g.opt_order, vec![1, 0, 2]);
+    // nothing swapped: the whole step in one call (stage "opt")
     let o = run(&p, &[Action::Retain; 2], &StateSwaps::none(), u64::MAX);
-    // constant 5 + params 7 + state 14; grads 0
-    let constant = 5 + 7 + 14;
-    assert!((o.step_time - (3.0 + 6.0 + 1.0)).abs() < 1e-12);
+    let constant = 5 + 7 + 14; // constant 5 + params 7 + state 14; grads 0
+    assert!((o.step_time - (3.0 + 6.0 + 0.8)).abs() < 1e-12);
     assert!((o.compute_time - o.step_time).abs() < 1e-12);
-    assert_eq!(o.curve.len(), 4 + 3);
-    assert_eq!(point(&o, Stage::Opt(1)).peak, constant + 7);
+    assert_eq!(o.curve.len(), 4 + 1);
+    assert_eq!(point(&o, Stage::OptStep).peak, constant + 9);
+    assert_eq!(Stage::OptStep.label(), "opt");
     assert_eq!(o.end_bytes, constant);
+    // something swapped: one stage per unit, the last unit first, then the parameters of no unit
+    let sw = StateSwaps { params: vec![false, true], states: vec![false; 2] };
+    let o = run(&p, &[Action::Retain; 2], &sw, u64::MAX);
+    let stages: Vec<Stage> = o.curve.iter().skip(4).map(|c| c.stage).collect();
+    assert_eq!(stages, vec![Stage::Opt(1), Stage::Opt(0), Stage::Opt(2)]);
+    assert!((o.compute_time - (3.0 + 6.0 + 1.0)).abs() < 1e-12);
+    assert_eq!(point(&o, Stage::Opt(1)).peak, constant + 7);
     assert_eq!(g.stage_index(Stage::Opt(0)), 5);
 }
 

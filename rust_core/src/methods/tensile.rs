@@ -19,7 +19,7 @@
 use super::capuchin::{alive_at, first_over};
 use super::{bwd_stage, movable, stage_starts};
 use crate::action::Action;
-use crate::evaluator::{evaluate_with_swaps, EvalOptions, Moved, Outcome, Scratch, StateSwaps};
+use crate::evaluator::{evaluate_with_swaps, EvalOptions, Moved, Outcome, Scratch, Stage, StateSwaps};
 use crate::profile::Graph;
 
 /// TENSILE on activations only (the plan PSO is seeded with).
@@ -63,15 +63,22 @@ fn greedy(g: &Graph, budget: u64, opts: &EvalOptions, swapping: bool) -> (Vec<Ac
         // Candidates, largest first: (bytes, what, unit).
         let mut cands: Vec<(u64, Moved, usize)> = acts.iter().map(|&u| (g.act[u], Moved::Activations, u)).collect();
         if swapping {
+            // the stage over the budget, and when the optimizer step starts (2n)
+            let stage = o.curve.get(s).map(|c| c.stage).unwrap_or(Stage::Start);
+            let pos = |u: usize| g.opt_order.iter().position(|&v| v == u);
+            let opt_start = starts[(2 * g.n).min(starts.len() - 1)];
             for u in 0..g.n {
                 if g.opt_state[u] > 0 && !swaps.state(u) && !tried_state[u][1] {
-                    let own = g.stage_index(crate::evaluator::Stage::Opt(u));
-                    if s != own && g.opt_state[u] as f64 / g.h2d <= starts[own] {
+                    // (the whole step in one call: a state swap splits it, so it may help there)
+                    if stage != Stage::Opt(u) && g.opt_state[u] as f64 / g.h2d <= opt_start {
                         cands.push((g.opt_state[u], Moved::OptimizerState, u));
                     }
                 }
                 if g.param[u] > 0 && !swaps.param(u) && !tried_state[u][0] {
-                    let after_update = s > g.stage_index(crate::evaluator::Stage::Opt(u));
+                    let after_update = match stage {
+                        Stage::Opt(v) => pos(v) > pos(u),
+                        _ => false,
+                    };
                     if (s < u || after_update) && g.param[u] as f64 / g.h2d <= starts[u] {
                         cands.push((g.param[u], Moved::Parameters, u));
                     }
