@@ -131,9 +131,12 @@ def main() -> int:
                          and all(torch.equal(t, u) for t, u in zip(state, s)))
             same = "yes" if same_bits else "NO"
             ok &= same_bits
+        # (not the first iteration: it frees tensors allocated before any measurement, frees torch's
+        # profiler does not record)
         measured = max(rec["peaks"][1:])
         if plan is None:
-            print(f"  unplanned: measured peak {measured / MiB:.2f} MiB, iteration {step_time * 1e3:.1f} ms")
+            print(f"  unplanned: predicted peak {tp.unplanned_peak(prof) / MiB:.2f} MiB; measured peak "
+                  f"{measured / MiB:.2f} MiB, iteration {step_time * 1e3:.1f} ms")
             continue
         pred = plan.predicted
         ss = plan.state_swaps or {}
