@@ -162,6 +162,10 @@ def test_tensile_keeps_state_on_the_host_when_activations_cannot_meet_the_budget
     assert swaps and (swaps["parameters"] or swaps["optimizer_state"])
     assert plan.predicted["feasible"] and plan.predicted["peak_bytes"] <= budget
     assert plan.to_dict()["version"] == 2 and "on the host" in plan.summary()
+    # what no plan can move, for plans that swap across iterations
+    fixed = plan.fixed_memory
+    assert fixed["lower_bound_bytes"] == tp.lower_bound(prof, state_swaps=True) <= plan.predicted["peak_bytes"]
+    assert fixed["movable_bytes"] == sum(u["param_bytes"] + u["optimizer_state_bytes"] for u in prof["units"]) > 0
     # the prediction is the evaluator's for those swaps; the file round-trips
     again = tp.evaluate(prof, plan.actions, budget, swap_parameters=swaps["parameters"],
                         swap_optimizer_state=swaps["optimizer_state"])

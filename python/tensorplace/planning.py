@@ -218,8 +218,9 @@ def _fixed_text(fixed: Optional[Dict[str, Any]]) -> str:
         return ""
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in fixed["constant"].items() if v)
     where = fixed["lower_bound_stage"] + (f" ({fixed['lower_bound_unit']})" if fixed.get("lower_bound_unit") else "")
+    movable = f", of which {format_bytes(fixed['movable_bytes'])} can stay on the host between steps" if fixed.get("movable_bytes") else ""
     return (
-        f"; fixed: {format_bytes(fixed['constant_bytes'])} constant ({parts or 'none'}), gradients "
+        f"; fixed: {format_bytes(fixed['constant_bytes'])} constant ({parts or 'none'}){movable}, gradients "
         f"{format_bytes(fixed['gradient_bytes'])}; no plan peaks below {format_bytes(fixed['lower_bound_bytes'])} (at {where})"
     )
 
@@ -315,15 +316,18 @@ def plan_profile(
     return _with_fixed_memory(json.loads(data), profile)
 
 
-def fixed_memory(profile: ProfileLike) -> Dict[str, Any]:
+def fixed_memory(profile: ProfileLike, state_swaps: bool = False) -> Dict[str, Any]:
     """The memory no plan can move, and where it is: the constant memory by kind (parameters,
     optimizer state, inputs, workspace: on the device for the whole step), the gradients (all
     of them exist by the step's end), and the lower bound of any plan's peak with the stage and
     unit where it is reached (that stage's constant memory, gradients so far, transients and the
-    activations it reads)."""
+    activations it reads).
+
+    `state_swaps`: of plans that may keep parameters and optimizer state on the host between
+    optimizer steps; ``movable_bytes`` is then how much of the constant memory they can move."""
     prof = profile if isinstance(profile, dict) else json.loads(profile_json(profile))
     memory = {k: int(v) for k, v in (prof.get("memory") or {}).items()}
-    bound, stage = _core.lower_bound(profile_json(prof))
+    bound, stage = _core.lower_bound(profile_json(prof), state_swaps)
     kind, _, index = str(stage).partition(":")
     units = prof.get("units") or []
     unit = units[int(index)]["name"] if index.isdigit() and int(index) < len(units) else None
@@ -334,11 +338,13 @@ def fixed_memory(profile: ProfileLike) -> Dict[str, Any]:
         "lower_bound_bytes": int(bound),
         "lower_bound_stage": stage,
         "lower_bound_unit": unit,
+        **({"movable_bytes": sum(int(u.get("param_bytes", 0)) + int(u.get("optimizer_state_bytes", 0)) for u in units)
+            if prof.get("optimizer") else 0} if state_swaps else {}),
     }
 
 
 def _with_fixed_memory(data: Dict[str, Any], profile: ProfileLike) -> "Plan":
-    data["fixed_memory"] = fixed_memory(profile)
+    data["fixed_memory"] = fixed_memory(profile, state_swaps=bool(data.get("state_swaps")))
     return Plan(data)
 
 
