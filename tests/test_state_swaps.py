@@ -280,6 +280,9 @@ def test_reading_the_model_or_the_optimizer_between_steps_brings_them_back() -> 
         assert torch.equal(fast(x), ref(x))
     model.train()
     ref.train()
+    # so does a forward of the model itself, outside the planned module
+    fast.executor.swapper.start_step()
+    assert torch.equal(model(x), ref(x))
     # loading a checkpoint writes into the real tensors, and training goes on alike
     model.load_state_dict(sd_ref)
     opt.load_state_dict(copy.deepcopy(osd_ref))  # (the optimizer would share the tensors otherwise)
@@ -340,8 +343,13 @@ def test_misuse_is_refused_or_fails_loudly_and_nothing_is_lost() -> None:
         fast(x)
     hook.remove()
     assert fast.executor.swapper._host, "nothing was on the host when the forward failed"
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())  # (brings them back)
+    # the next step starts as the plan says: everything on the host first
+    loss_fn(fast(x)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert resident_bytes(model, opt, x) < x.untyped_storage().nbytes() + 64
     fast.close()
-    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.skipif(not cuda_available(), reason=cuda_status())

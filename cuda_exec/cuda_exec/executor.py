@@ -1730,8 +1730,19 @@ class Executor:
         if "swap" in self.actions or self.swapper is not None:
             _ = self.backend
         self.abort_interrupted()
-        if self.swapper is not None:
-            self.swapper.start_step()
+        if self.swapper is None:
+            return self._forward(args, kwargs)
+        self.swapper.start_step()
+        self.swapper.in_planned_forward = True
+        try:
+            return self._forward(args, kwargs)
+        except BaseException:
+            self.swapper.unsettle()
+            raise
+        finally:
+            self.swapper.in_planned_forward = False
+
+    def _forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if self._table is not None:
             return self._lean_forward(args, kwargs)
         state = _StepState(self)

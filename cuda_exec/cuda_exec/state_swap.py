@@ -24,10 +24,11 @@ parameters before the unit's next forward, the optimizer state before its next o
 * **Between steps** a swapped parameter's ``data`` and a swapped state tensor are placeholders of
   the right shape and dtype that hold no memory: one NaN, expanded (an in-place update of one
   fails loudly, a computation with one gives NaN). ``model.state_dict()``, ``opt.state_dict()``
-  and their ``load_state_dict``, and a forward of the planned module in eval mode or without
-  gradients, first bring everything back (:meth:`StateSwapper.materialize`); the next training
-  forward sends it back to the host before it starts (synchronously), so the plan's memory holds
-  again. ``close()`` brings everything back for good.
+  and their ``load_state_dict``, a forward of the model itself (not through the planned module),
+  and one of the planned module in eval mode or without gradients, first bring everything back
+  (:meth:`StateSwapper.materialize`); the next training forward sends it back to the host before
+  it starts (synchronously), so the plan's memory holds again; so does one after a failed step.
+  ``close()`` brings everything back for good.
 
 What moves is whole storages: a storage shared by the parameters of several units, or with
 anything outside them, is never moved (the profiler counts only the others in ``param_bytes``).
@@ -224,6 +225,8 @@ class StateSwapper:
         self._placeholders: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._settled = False  #: the plan's between-steps state holds (nothing materialised since)
         self._stepping = False
+        #: the executor's forward runs (a forward of the model outside it brings everything back)
+        self.in_planned_forward = False
         self._closed = False
         self._hooks: List[Any] = []
         self._previous_step = optimizer.__dict__.get("step")  # an instance attribute (a scheduler's wrapper)
@@ -266,6 +269,10 @@ class StateSwapper:
             if (_PARAMS, u) in self._host:
                 self._fetch(_PARAMS, u)
 
+    def unsettle(self) -> None:
+        """A step failed: the next training forward sends everything back to the host first."""
+        self._settled = False
+
     def materialize(self) -> None:
         """Bring every parameter and state tensor back to the device (synchronously); the next
         training forward sends them back to the host."""
@@ -307,6 +314,7 @@ class StateSwapper:
         with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         out = None
         self._stepping = True
+        self._settled = False  # until the step has run to its end
         self._fresh = {}
         try:
             for u, chunk in self.chunks:
@@ -458,6 +466,11 @@ class StateSwapper:
         def bring_back(*_: Any) -> None:
             self.materialize()
 
+        def forward_outside(*_: Any) -> None:
+            if not self.in_planned_forward:
+                self.materialize()  # the model called directly: on its real parameters
+
+        self._hooks.append(self.model.register_forward_pre_hook(forward_outside))
         owners = {self.model}
         swapped = {id(p) for u in self.params_swapped for p in self.swap_params[u]}
         for m in self.model.modules():
