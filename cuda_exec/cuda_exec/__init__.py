@@ -8,6 +8,8 @@
   (no plan: releases decided during the step from a live memory counter, :mod:`cuda_exec.live_memory`).
 - :mod:`cuda_exec.cpu_backend`: the CPU host tier (numpy or mmap memory, one copy thread, an
   optional bandwidth cap); :mod:`cuda_exec.cuda_backend`: pinned memory and a copy stream on CUDA.
+- :mod:`cuda_exec.state_swap`: :class:`StateSwapper` keeps parameters and optimizer state in the
+  host tier between optimizer steps (a plan's ``state_swaps``).
 - :mod:`cuda_exec.memory`: the peak of torch's own allocation records for one step.
 - :mod:`cuda_exec.verify`: checksums for verify mode (``TENSORPLACE_VERIFY=1``).
 """
@@ -25,7 +27,8 @@ from .executor import (
     execute,
     read_plan,
 )
-from .memory import MemoryTrace, measure_peak, memory_trace
+from .memory import MemoryTrace, measure_peak, memory_trace, resident_state_bytes
+from .state_swap import StateSwapError, StateSwapper
 from .units import UnitRecord, UnitTracker, discover_units, is_replaying, sequence_mismatch, unit_kind
 from .verify import VerificationError
 
@@ -41,6 +44,8 @@ __all__ = [
     "PlannedModule",
     "ReplayError",
     "StepAbortedError",
+    "StateSwapError",
+    "StateSwapper",
     "StepStats",
     "UnitRecord",
     "UnitTracker",
@@ -51,6 +56,7 @@ __all__ = [
     "measure_peak",
     "memory_trace",
     "read_plan",
+    "resident_state_bytes",
     "sequence_mismatch",
     "unit_kind",
 ]

@@ -130,6 +130,7 @@ from .units import (
     model_input_position,
     replaying,
 )
+from .state_swap import StateSwapper
 from .verify import check, checksum, note_out_of_memory, verify_from_env
 
 __all__ = [
@@ -141,6 +142,7 @@ __all__ = [
     "read_plan",
     "read_swap_deadlines",
     "read_segment_starts",
+    "read_state_swaps",
     "run_starts",
     "Executor",
     "PlannedModule",
@@ -152,6 +154,9 @@ __all__ = [
 ]
 
 ACTIONS = ("retain", "swap", "recompute")
+#: the newest plan version the executor runs (2: parameters and optimizer state swapped across
+#: iterations, ``state_swaps``)
+PLAN_VERSION = 2
 
 PlanLike = Union[Mapping[str, Any], Sequence[str], Any]
 
@@ -236,8 +241,8 @@ def read_plan(plan: PlanLike) -> Tuple[List[str], List[Tuple[int, int]], Optiona
     if isinstance(plan, Mapping):
         if plan.get("format", "tensorplace.plan") != "tensorplace.plan":
             raise ValueError(f"not a tensorplace plan: format {plan.get('format')!r}")
-        if int(plan.get("version", 1)) > 1:
-            raise ValueError(f"plan version {plan.get('version')} is newer than this executor (1)")
+        if int(plan.get("version", 1)) > PLAN_VERSION:
+            raise ValueError(f"plan version {plan.get('version')} is newer than this executor ({PLAN_VERSION})")
         actions, prefetch, names = plan["actions"], plan.get("prefetch", []), plan.get("units")
     elif isinstance(plan, (list, tuple)):
         actions, prefetch, names = plan, [], None
@@ -279,6 +284,16 @@ def read_swap_deadlines(plan: PlanLike) -> List[Tuple[str, int]]:
     if data is None:
         return []
     return [(str(d["before"]), int(d["unit"])) for d in data.get("swap_deadlines", []) or []]
+
+
+def read_state_swaps(plan: PlanLike) -> Optional[Mapping[str, Any]]:
+    """A plan's ``state_swaps`` (parameters and optimizer state kept on the host between optimizer
+    steps, state_swap.py), or None when it swaps none."""
+    data = _plan_mapping(plan)
+    spec = None if data is None else data.get("state_swaps")
+    if not spec or not (spec.get("parameters") or spec.get("optimizer_state")):
+        return None
+    return spec
 
 
 def read_segment_starts(plan: PlanLike) -> List[int]:
@@ -847,6 +862,8 @@ class _StepState:
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
         self.replay_anchor = ex._replay_anchor
+        #: parameters and optimizer state swapped across iterations (None: the plan swaps none)
+        self.swapper: Optional[StateSwapper] = ex.swapper
 
     def drop(self, unit: int, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -938,6 +955,12 @@ class _StepState:
         poll = getattr(self.backend, "poll", None)
         if poll is not None:
             poll()
+        self._keep_deadlines(label)
+        if self.swapper is not None:
+            # after the deadlines: the model lets swap-outs leave before a prefetch allocates
+            self.swapper.at_stage(label)
+
+    def _keep_deadlines(self, label: str) -> None:
         units = self.swap_deadlines.get(label)
         if not units or label in self.kept:
             return
@@ -1063,6 +1086,8 @@ class _PlanTracker(UnitTracker):
         super().__init__(ex.model, keep_replay_info=True, unit_modules=ex.unit_modules)
         self.state = state
         self.learn = learn
+        if ex.swapper is not None:  # swapped parameters brought back during the forward
+            self.param_ptrs_extra = ex.swapper.resident_ptrs
 
     def _pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         learn = self.learn
@@ -1552,7 +1577,7 @@ class _LeanStep:
 
     def boundary(self, u: int, args: Tuple[Any, ...]) -> None:
         st = self.state
-        if st.by_unit:
+        if st.by_unit or st.swapper is not None:
             st.stage_boundary(f"fwd:{u}")
         if u in st.prefetch_at:
             self.post = (u, self.t.modules[self.calls - 1])
@@ -1640,7 +1665,7 @@ class _LeanStep:
         st.forward_done(len(tb.pack_start))
         st.release_unneeded()
         last = len(tb.pack_start) - 1
-        prefetch_last = bool(tb.swaps) and last in st.prefetch_at
+        prefetch_last = (bool(tb.swaps) or st.swapper is not None) and last in st.prefetch_at
         # one hook per output and step: the backward of this step starts here
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
@@ -1675,6 +1700,9 @@ class Executor:
         names: Optional[Sequence[str]] = None,
         swap_deadlines: Iterable[Tuple[str, int]] = (),
         segment_starts: Iterable[int] = (),
+        state_swaps: Optional[Mapping[str, Any]] = None,
+        optimizer: Any = None,
+        profile_units: Optional[Sequence[Mapping[str, Any]]] = None,
     ) -> None:
         self.model = model
         #: stage label ("fwd:i" / "bwd:i") -> units whose swap-out must be complete before it
@@ -1695,8 +1723,17 @@ class Executor:
         for label in self.swap_deadlines:
             if label.startswith("bwd:"):
                 self.prefetch_at[int(label[4:])]  # noqa: B018 - defaultdict: an empty entry
-        self.prefetch_at = dict(self.prefetch_at)
         self.unit_modules = discover_units(model, units)
+        #: parameters and optimizer state kept on the host between optimizer steps (state_swap.py)
+        self.swapper: Optional[StateSwapper] = None
+        if state_swaps:
+            if self.names is None:
+                raise PlanMismatchError("a plan with state_swaps must name its units (its \"units\" list)")
+            self.swapper = StateSwapper(model, optimizer, state_swaps, self.names, self.unit_modules,
+                                        lambda: self.backend, expected=profile_units)
+            for stage in self.swapper.backward_stages():
+                self.prefetch_at[stage]  # noqa: B018 - a stage hook where the swapper prefetches
+        self.prefetch_at = dict(self.prefetch_at)
         self.verify = verify_from_env() if verify is None else bool(verify)
         self._own_backend = backend is None
         self._backend = backend
@@ -1722,9 +1759,22 @@ class Executor:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """One forward under the plan; the backward of its result follows the plan too."""
-        if "swap" in self.actions:
+        if "swap" in self.actions or self.swapper is not None:
             _ = self.backend
         self.abort_interrupted()
+        if self.swapper is None:
+            return self._forward(args, kwargs)
+        self.swapper.start_step()
+        self.swapper.in_planned_forward = True
+        try:
+            return self._forward(args, kwargs)
+        except BaseException:
+            self.swapper.unsettle()
+            raise
+        finally:
+            self.swapper.in_planned_forward = False
+
+    def _forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if self._table is not None:
             return self._lean_forward(args, kwargs)
         state = _StepState(self)
@@ -1769,8 +1819,9 @@ class Executor:
             if a == SWAP:
                 first_swap = max(u for u in range(n) if table.pack_start[u] <= k)
                 break
+        swapper_stages = self.swapper.forward_stages() if self.swapper is not None else set()
         self._work = [u in fwd_deadline or u in self.prefetch_at or (u - 1) in self.prefetch_at or u > first_swap
-                      for u in range(n)]
+                      or u in swapper_stages for u in range(n)]
         self._table = table
         #: what the steady steps' tracker counts as parameters (their storages, read per step)
         self._params = [t for t in list(self.model.parameters()) + list(self.model.buffers())
@@ -1861,6 +1912,8 @@ class Executor:
                 if not st.dead and not st.finished:
                     st.abort()
         self._uninstall()
+        if self.swapper is not None:
+            self.swapper.close()  # everything back on the device, the optimizer's step as it was
         if self._own_backend and self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -1884,6 +1937,8 @@ class ExecutorModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.model.training or not torch.is_grad_enabled():
+            if self.executor.swapper is not None:
+                self.executor.swapper.materialize()  # parameters kept on the host come back first
             return self.model(*args, **kwargs)
         return self.executor.forward(*args, **kwargs)
 
@@ -1917,13 +1972,17 @@ class PlannedModule(ExecutorModule):
         *,
         units: Optional[Iterable[UnitSpec]] = None,
         verify: Optional[bool] = None,
+        optimizer: Any = None,
     ) -> None:
         super().__init__()
         self.model = model
         actions, prefetch, names = read_plan(plan)
+        data = _plan_mapping(plan)
+        profile_units = (data.get("profile") or {}).get("units") if data is not None else None
         self.executor = Executor(
             model, actions, prefetch, backend, verify=verify, units=units, names=names,
             swap_deadlines=read_swap_deadlines(plan), segment_starts=read_segment_starts(plan),
+            state_swaps=read_state_swaps(plan), optimizer=optimizer, profile_units=profile_units,
         )
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["MemoryTrace", "memory_trace", "measure_peak"]
+__all__ = ["MemoryTrace", "memory_trace", "measure_peak", "resident_state_bytes"]
 
 
 @dataclass
@@ -73,3 +73,23 @@ def measure_peak(
         if device == "cuda":
             torch.cuda.synchronize()
     return result, memory_trace(prof, device, keep_timeline)
+
+
+def resident_state_bytes(model: torch.nn.Module, optimizer: Any = None, inputs: Any = ()) -> int:
+    """Bytes of the storages (each once) of ``model``'s parameters and buffers, ``optimizer``'s
+    state and the ``inputs`` tensors on the device now: what a measured training iteration starts
+    with, beside ``measure_peak``'s peak above it. A tensor kept in the host tier between steps
+    (cuda_exec.state_swap) is a placeholder (one element, expanded) and is not counted."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if optimizer is not None:
+        tensors += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or (t.numel() > 1 and all(s == 0 for s in t.stride())):
+            continue
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes()
+    return total

@@ -447,6 +447,9 @@ class UnitTracker:
         self._storages: Dict[int, _StorageRec] = {}
         self._next_sid = 0
         self._param_ptrs: Set[int] = set()
+        #: data pointers of parameters that come to the device during the forward (a set another
+        #: object keeps up to date; state_swap.py), counted as parameters too
+        self.param_ptrs_extra: Optional[Set[int]] = None
         self._seg_ids: Dict[int, Tuple[Any, int]] = {}
         self._frames: List[Tuple[int, List[Tuple[torch.Tensor, int, Optional[int]]]]] = []
         # per unit accounting
@@ -568,8 +571,12 @@ class UnitTracker:
         return rec.versions.get(t._version)
 
     def is_param(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` shares storage with a parameter or buffer of the model."""
-        return _is_plain(t) and t.untyped_storage().data_ptr() in self._param_ptrs
+        """Whether ``t`` shares storage with a parameter or buffer of the model (also one brought
+        back from the host during the forward: ``param_ptrs_extra``)."""
+        if not _is_plain(t):
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return ptr in self._param_ptrs or (self.param_ptrs_extra is not None and ptr in self.param_ptrs_extra)
 
     # ---------------------------------------------------------------- values
 

@@ -22,6 +22,8 @@ def evaluate(
     reserved: bool = False,
     alloc_conf: Optional[str] = None,
     memory_curve: bool = False,
+    swap_parameters: Optional[List[int]] = None,
+    swap_optimizer_state: Optional[List[int]] = None,
 ) -> str: ...
 def allocation_sequence(
     profile_json: str,
@@ -29,10 +31,14 @@ def allocation_sequence(
     budget: int,
     prefetch_lookahead: int = 2,
     segment_starts: Optional[List[int]] = None,
+    swap_parameters: Optional[List[int]] = None,
+    swap_optimizer_state: Optional[List[int]] = None,
 ) -> str: ...
-def lower_bound(profile_json: str) -> Tuple[int, str]: ...
+def lower_bound(profile_json: str, state_swaps: bool = False) -> Tuple[int, str]: ...
 def unplanned_peak(profile_json: str) -> int: ...
-def smallest_known_budget(profile_json: str, prefetch_lookahead: int = 2) -> Tuple[int, List[str]]: ...
+def smallest_known_budget(
+    profile_json: str, prefetch_lookahead: int = 2, state_swaps: bool = False
+) -> Tuple[int, List[str]]: ...
 def make_plan(
     profile_json: str,
     budget: int,
@@ -60,6 +66,8 @@ def plan_from_actions(
     method: str,
     settings_json: str = "{}",
     prefetch_lookahead: int = 2,
+    swap_parameters: Optional[List[int]] = None,
+    swap_optimizer_state: Optional[List[int]] = None,
 ) -> str: ...
 def allocator_replay(trace_json: str, options_json: str = "{}") -> str: ...
 def allocator_simulate(events_json: str, options_json: str = "{}") -> str: ...

@@ -64,7 +64,10 @@ def plan(
 
     ``loss_fn(output)`` gives the scalar the step differentiates (default: cross-entropy for 2-D
     logits, else the sum). ``units``: module classes, instances or names to plan as coarse units
-    (default: leaf modules). ``optimizer``: counted as constant memory. ``search``: settings of
+    (default: leaf modules). ``optimizer``: its state is counted as constant memory, and the step
+    ends with the optimizer's step (its time and memory per unit are measured on a throwaway copy;
+    method ``"tensile"`` may then keep parameters and optimizer state on the host between steps:
+    train such a plan with ``run(model, plan, optimizer=opt)``). ``search``: settings of
     ``plan_profile`` (particles, iterations, seed, threads, ...). The profile is kept on the plan
     (``plan.profile``) and saved with it.
     """
@@ -225,6 +228,7 @@ def run(
     units: Optional[Iterable[Any]] = None,
     verify: Optional[bool] = None,
     runtime: bool = False,
+    optimizer: Any = None,
 ) -> Union[PlannedTraining, DeltaModule]:
     """``model`` as an ``nn.Module`` that trains under ``plan`` (a Plan or a plan file path).
 
@@ -237,6 +241,11 @@ def run(
     DELTA's runtime policy (no planner: decisions during each step; a ``DeltaModule`` whose
     ``last_stats`` lists them). ``runtime=True`` with a ``method="delta"`` plan runs that policy
     with the plan's budget and profile instead of the plan's simulated decisions.
+
+    ``optimizer``: needed by a plan that keeps parameters or optimizer state on the host between
+    optimizer steps (``plan.state_swaps``, method ``"tensile"``): its ``step()`` then runs the
+    plan's optimizer step (cuda_exec/cuda_exec/state_swap.py); the loop stays
+    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``close()`` puts it back.
     """
     if isinstance(plan, DeltaRuntime):
         return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify, **plan.executor_kwargs())
@@ -255,4 +264,4 @@ def run(
     if runtime:
         return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify,
                            **delta_from_plan(plan).executor_kwargs())
-    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify)
+    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify, optimizer=optimizer)

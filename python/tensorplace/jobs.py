@@ -33,8 +33,9 @@ def _job_profile(job: JobLike, index: int) -> Dict[str, Any]:
     return json.loads(profile_json(job))
 
 
-def _smallest_known(profile: Dict[str, Any]) -> int:
-    return int(_core.smallest_known_budget(json.dumps(profile))[0])
+def _smallest_known(profile: Dict[str, Any], method: str = "pso") -> int:
+    # TENSILE may keep parameters and optimizer state on the host between steps
+    return int(_core.smallest_known_budget(json.dumps(profile), state_swaps=method == "tensile")[0])
 
 
 class JobPlans:
@@ -91,9 +92,9 @@ def plan_jobs(
         raise _core.PlannerError("no jobs: give at least one profile or plan")
     total = parse_budget(budget)
     profiles = [_job_profile(j, i) for i, j in enumerate(jobs)]
-    lbs = [lower_bound(p) for p in profiles]
+    lbs = [lower_bound(p, state_swaps=method == "tensile") for p in profiles]
     if sum(lbs) > total:
-        works = sum(_smallest_known(p) for p in profiles)
+        works = sum(_smallest_known(p, method) for p in profiles)
         raise _core.BudgetError(
             f"shared budget {total} bytes ({format_bytes(total)}) is below the sum of the jobs' lower bounds, "
             f"{sum(lbs)} bytes ({format_bytes(sum(lbs))}: {', '.join(format_bytes(b) for b in lbs)}); the "
@@ -123,7 +124,7 @@ def plan_jobs(
                 continue
             opts.append((b, float(plan.predicted["step_time"]), plan))
         if not opts:
-            works = sum(_smallest_known(q) for q in profiles)
+            works = sum(_smallest_known(q, method) for q in profiles)
             raise _core.BudgetError(
                 f"job {j}: method {method!r} found no plan under any share up to {format_bytes(most)} of the shared "
                 f"budget {format_bytes(total)}; a shared budget of {works} bytes ({format_bytes(works)}) is known to "

@@ -81,6 +81,15 @@ class Plan:
         return dict(self._data["predicted"])
 
     @property
+    def state_swaps(self) -> Optional[Dict[str, Any]]:
+        """Parameters and optimizer state the plan keeps on the host between optimizer steps
+        (``parameters``, ``optimizer_state``: unit indices; ``prefetch``, ``deadlines``: when they
+        come back and leave; docs/formats.md), or None. Train such a plan with
+        ``tensorplace.run(model, plan, optimizer=opt)``."""
+        s = self._data.get("state_swaps")
+        return json.loads(json.dumps(s)) if s else None
+
+    @property
     def budget_bytes(self) -> int:
         return int(self._data["budget_bytes"])
 
@@ -183,9 +192,15 @@ class Plan:
         if self.reserved_budget_bytes is not None:
             under = f"{format_bytes(self.reserved_budget_bytes)} reserved ({under} allocated)"
         reserved = f", reserved {format_bytes(p['reserved_bytes'])}" if p.get("reserved_bytes") is not None else ""
+        ss = self.state_swaps
+        across = (
+            f"; across iterations {len(ss.get('parameters', []))} units' parameters and "
+            f"{len(ss.get('optimizer_state', []))} units' optimizer state on the host"
+            if ss else ""
+        )
         return (
             f"{self.method} plan for {len(self.units)} units under {under}: "
-            f"{c['retain']} retain, {c['swap']} swap, {c['recompute']} recompute; predicted step "
+            f"{c['retain']} retain, {c['swap']} swap, {c['recompute']} recompute{across}; predicted step "
             f"{p['step_time'] * 1e3:.1f} ms (compute {p['compute_time'] * 1e3:.1f}, swap stall "
             f"{p['swap_stall'] * 1e3:.1f}, recompute {p['recompute'] * 1e3:.1f}), peak {format_bytes(p['peak_bytes'])}{reserved}"
             + _fixed_text(self.fixed_memory)
@@ -203,8 +218,9 @@ def _fixed_text(fixed: Optional[Dict[str, Any]]) -> str:
         return ""
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in fixed["constant"].items() if v)
     where = fixed["lower_bound_stage"] + (f" ({fixed['lower_bound_unit']})" if fixed.get("lower_bound_unit") else "")
+    movable = f", of which {format_bytes(fixed['movable_bytes'])} can stay on the host between steps" if fixed.get("movable_bytes") else ""
     return (
-        f"; fixed: {format_bytes(fixed['constant_bytes'])} constant ({parts or 'none'}), gradients "
+        f"; fixed: {format_bytes(fixed['constant_bytes'])} constant ({parts or 'none'}){movable}, gradients "
         f"{format_bytes(fixed['gradient_bytes'])}; no plan peaks below {format_bytes(fixed['lower_bound_bytes'])} (at {where})"
     )
 
@@ -300,15 +316,18 @@ def plan_profile(
     return _with_fixed_memory(json.loads(data), profile)
 
 
-def fixed_memory(profile: ProfileLike) -> Dict[str, Any]:
+def fixed_memory(profile: ProfileLike, state_swaps: bool = False) -> Dict[str, Any]:
     """The memory no plan can move, and where it is: the constant memory by kind (parameters,
     optimizer state, inputs, workspace: on the device for the whole step), the gradients (all
     of them exist by the step's end), and the lower bound of any plan's peak with the stage and
     unit where it is reached (that stage's constant memory, gradients so far, transients and the
-    activations it reads)."""
+    activations it reads).
+
+    `state_swaps`: of plans that may keep parameters and optimizer state on the host between
+    optimizer steps; ``movable_bytes`` is then how much of the constant memory they can move."""
     prof = profile if isinstance(profile, dict) else json.loads(profile_json(profile))
     memory = {k: int(v) for k, v in (prof.get("memory") or {}).items()}
-    bound, stage = _core.lower_bound(profile_json(prof))
+    bound, stage = _core.lower_bound(profile_json(prof), state_swaps)
     kind, _, index = str(stage).partition(":")
     units = prof.get("units") or []
     unit = units[int(index)]["name"] if index.isdigit() and int(index) < len(units) else None
@@ -319,11 +338,13 @@ def fixed_memory(profile: ProfileLike) -> Dict[str, Any]:
         "lower_bound_bytes": int(bound),
         "lower_bound_stage": stage,
         "lower_bound_unit": unit,
+        **({"movable_bytes": sum(int(u.get("param_bytes", 0)) + int(u.get("optimizer_state_bytes", 0)) for u in units)
+            if prof.get("optimizer") else 0} if state_swaps else {}),
     }
 
 
 def _with_fixed_memory(data: Dict[str, Any], profile: ProfileLike) -> "Plan":
-    data["fixed_memory"] = fixed_memory(profile)
+    data["fixed_memory"] = fixed_memory(profile, state_swaps=bool(data.get("state_swaps")))
     return Plan(data)
 
 
@@ -337,9 +358,15 @@ def evaluate(
     reserved: bool = False,
     alloc_conf: Optional[str] = None,
     memory_curve: bool = False,
+    swap_parameters: Optional[Sequence[int]] = None,
+    swap_optimizer_state: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
     """The cost model's prediction for `actions` (docs/cost-model.md), with the memory curve.
 
+    `swap_parameters`, `swap_optimizer_state`: units whose parameters / optimizer state the plan
+    keeps on the host between optimizer steps (a profile with an optimizer step;
+    docs/cost-model.md, "Optimizer step"); the result lists their copies (``copies`` with
+    ``what``), ``state_prefetch`` and ``state_deadlines``.
     `segment_starts`: units before which a run of recomputed units is split into checkpoint
     segments (default: the starts of the profile's repeated blocks; the result says which).
     `reserved`: also simulate the plan's allocation sequence under PyTorch's CUDA caching
@@ -351,9 +378,13 @@ def evaluate(
     return json.loads(
         _core.evaluate(
             profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts, reserved, alloc_conf,
-            memory_curve,
+            memory_curve, _units(swap_parameters), _units(swap_optimizer_state),
         )
     )
+
+
+def _units(units: Optional[Sequence[int]]) -> Optional[List[int]]:
+    return None if units is None else [int(u) for u in units]
 
 
 def allocation_sequence(
@@ -362,6 +393,8 @@ def allocation_sequence(
     budget: Budget,
     prefetch_lookahead: int = 2,
     segment_starts: Optional[Sequence[int]] = None,
+    swap_parameters: Optional[Sequence[int]] = None,
+    swap_optimizer_state: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
     """The device allocations and frees the cost model has `actions` make, in order
     (docs/cost-model.md, "Reserved memory"): ``events`` as :func:`tensorplace.allocator.simulate`
@@ -370,13 +403,16 @@ def allocation_sequence(
     and the evaluation's ``peak_bytes`` and ``end_bytes``."""
     starts = None if segment_starts is None else [int(u) for u in segment_starts]
     return json.loads(
-        _core.allocation_sequence(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts)
+        _core.allocation_sequence(profile_json(profile), list(actions), parse_budget(budget), prefetch_lookahead, starts,
+                                  _units(swap_parameters), _units(swap_optimizer_state))
     )
 
 
-def lower_bound(profile: ProfileLike) -> int:
-    """The smallest peak any plan could have (bytes)."""
-    return _core.lower_bound(profile_json(profile))[0]
+def lower_bound(profile: ProfileLike, state_swaps: bool = False) -> int:
+    """The smallest peak any plan could have (bytes); with `state_swaps`, any plan that may also
+    keep parameters and optimizer state on the host between optimizer steps (method "tensile" on
+    a profile with an optimizer step)."""
+    return _core.lower_bound(profile_json(profile), state_swaps)[0]
 
 
 def unplanned_peak(profile: ProfileLike) -> int:

@@ -98,6 +98,20 @@ Constant memory
   parameter has no state yet (lazy optimizers such as Adam create it at the first step), the
   state a step would create is measured on a throwaway optimizer of the same class over clones
   of that parameter (the user's optimizer and parameters are not touched).
+
+Optimizer step (only with `optimizer=`)
+---------------------------------------
+The profile gets an `optimizer` section and, per unit, the fields of the cost model's optimizer
+stages (docs/cost-model.md, "Optimizer step"), over the parameters each unit is the first to use
+(`cuda_exec.state_swap.unit_parameters`): `param_bytes` (their storages that no other unit or
+buffer shares: what a plan can keep on the host), `optimizer_state_bytes` (their state tensors
+with a dimension; a step counter stays), `optimizer_time` and `optimizer_transient_bytes` (one
+optimizer step over those parameters alone: the median of `repeats` timed steps, and its peak
+of allocations above its start). They are measured on a throwaway optimizer of the same class
+and options over clones with zero gradients, one unit at a time (so also when the user's
+optimizer has no state yet); `optimizer.other_time` / `other_transient_bytes` are the same for
+the parameters of no unit, and `optimizer.step_time` / `transient_bytes` for one whole step over
+every parameter (what runs when a plan swaps nothing across iterations).
 - inputs: bytes of the storages of the example input tensors.
 - workspace: on a GPU, what is allocated when the step starts beyond the above (cuBLAS keeps a
   workspace per handle, allocated before the first step); 0 on a CPU.
@@ -551,6 +565,116 @@ def _optimizer_state_bytes(optimizer: Any) -> int:
                 cache[key] = _probe_state_bytes(optimizer, group, p)
             estimated += cache[key]
     return _storage_bytes(tensors) + estimated
+
+
+def _throwaway_optimizer(optimizer: Any, groups: Sequence[Tuple[Dict[str, Any], List[nn.Parameter]]]) -> Any:
+    """An optimizer of ``optimizer``'s class over ``groups`` (options, parameters)."""
+    spec = [dict(options, params=ps) for options, ps in groups]
+    try:
+        return type(optimizer)(spec, **getattr(optimizer, "defaults", {}))
+    except TypeError:  # a constructor that does not take its defaults back as keywords
+        return type(optimizer)(spec)
+
+
+def _optimizer_step_profile(optimizer: Any, names: Sequence[str], unit_map: Dict[nn.Module, str], model: nn.Module,
+                            device: torch.device, repeats: int) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """The optimizer step per unit (docs/cost-model.md, "Optimizer step"): per unit, the bytes of
+    the parameters it brings in first (storages no other unit or buffer shares), of their
+    optimizer state that can move (tensors with a dimension), and the time and transient memory
+    of the optimizer step over its parameters alone (cuda_exec.state_swap's chunks), measured on
+    a throwaway optimizer of the same class over clones; plus the same for the parameters of no
+    unit. The user's optimizer and parameters are not touched."""
+    state_swap = _cuda_exec_module("state_swap")
+    if state_swap is None:
+        raise ProfilerError("cuda_exec.state_swap is not importable: install cuda_exec or put its folder on PYTHONPATH")
+    groups_of: Dict[int, int] = {}
+    opt_params: List[nn.Parameter] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in groups_of:
+                groups_of[id(p)] = gi
+                opt_params.append(p)
+    per_unit, rest = state_swap.unit_parameters(names, unit_map, opt_params)
+    exclusive = state_swap.exclusive_storages(per_unit, list(model.buffers()) + rest)
+    clock = _Clock(device)
+    chunks = state_swap.optimizer_chunks(per_unit, rest)
+    costs: Dict[int, Tuple[float, int]] = {}
+    state_bytes: Dict[int, int] = {}
+    for k, (u, params) in enumerate(chunks):
+        if not params:
+            continue
+        time_k, transient_k, probe, clones = _optimizer_part(optimizer, params, groups_of, clock, device, repeats)
+        costs[k] = (time_k, transient_k)
+        if u < len(per_unit):
+            # the real state where the optimizer has one, else what the copy's step created
+            total = 0
+            for p, q in zip(params, clones):
+                real = state_swap.state_tensors(optimizer, [p])
+                ts = real if real else state_swap.state_tensors(probe, [q])
+                total += _storage_bytes(t for _, _, t in ts)
+            state_bytes[u] = total
+        del probe, clones
+    whole = _optimizer_part(optimizer, opt_params, groups_of, clock, device, repeats)[:2]
+    units: List[Dict[str, Any]] = [
+        {"param_bytes": sum(st.nbytes() for st, _ in exclusive[u]), "optimizer_state_bytes": 0,
+         "optimizer_time": 0.0, "optimizer_transient_bytes": 0}
+        for u in range(len(per_unit))
+    ]
+    other = {"name": type(optimizer).__name__, "other_time": 0.0, "other_transient_bytes": 0,
+             "step_time": whole[0], "transient_bytes": whole[1]}
+    for k, (u, _) in enumerate(chunks):
+        if k not in costs:
+            continue
+        time_k, transient_k = costs[k]
+        if u < len(per_unit):
+            units[u].update(optimizer_state_bytes=state_bytes.get(u, 0), optimizer_time=time_k,
+                            optimizer_transient_bytes=transient_k)
+        else:
+            other.update(other_time=time_k, other_transient_bytes=transient_k)
+    return units, other
+
+
+def _optimizer_part(optimizer: Any, params: Sequence[nn.Parameter], groups_of: Dict[int, int], clock: "_Clock",
+                    device: torch.device, repeats: int) -> Tuple[float, int, Any, List[nn.Parameter]]:
+    """One optimizer step over ``params`` alone, on a throwaway optimizer of ``optimizer``'s class
+    and group options over clones with zero gradients (after a first step that creates the
+    state): (median seconds of ``repeats`` steps, peak allocations of one step above its start,
+    the throwaway optimizer, the clones)."""
+    clones = []
+    for p in params:
+        q = nn.Parameter(p.detach().clone())
+        q.grad = torch.zeros_like(p)
+        clones.append(q)
+    by_group: Dict[int, List[nn.Parameter]] = {}
+    for p, q in zip(params, clones):
+        by_group.setdefault(groups_of[id(p)], []).append(q)
+    options = [({k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}, qs)
+               for gi, qs in sorted(by_group.items())]
+    try:
+        probe = _throwaway_optimizer(optimizer, options)
+        probe.step()  # creates the state (lazy optimizers)
+        times = []
+        for _ in range(max(1, int(repeats))):
+            clock.sync()
+            t0 = clock.now()
+            probe.step()
+            t1 = clock.now()
+            clock.sync()
+            times.append(clock.seconds(t0, t1))
+        gc.collect()
+        with _memory_recording(device) as events:
+            with torch.profiler.record_function(_MARK + "R0"):
+                pass
+            probe.step()
+            clock.sync()
+            with torch.profiler.record_function(_MARK + "r0"):
+                pass
+    except Exception as exc:  # noqa: BLE001 - any failure means we cannot measure
+        raise ProfilerError(
+            f"cannot measure the optimizer step of {type(optimizer).__name__} on a copy of its parameters "
+            f"({type(exc).__name__}: {exc}); leave optimizer= out to profile without the optimizer step"
+        ) from exc
+    return statistics.median(times), int(_replay_windows(events).get(0, 0)), probe, clones
 
 
 def _probe_state_bytes(optimizer: Any, group: Dict[str, Any], p: torch.Tensor) -> int:
@@ -1120,6 +1244,11 @@ def profile_model(
         replays, alive = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev)
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
+        # The optimizer step, per unit (on copies).
+        opt_units, opt_other = (
+            _optimizer_step_profile(optimizer, [r.name for r in records], unit_map, model, dev, repeats)
+            if optimizer is not None else (None, None)
+        )
     d2h, h2d = copy_bandwidth(dev, backend)
     replay_state = executor_mod.replay_state_bytes(dev)
 
@@ -1149,6 +1278,8 @@ def profile_model(
             "bwd_transient_bytes": 0,
             "grad_bytes": int(grads[i]),
         })
+        if opt_units is not None:
+            out_units[-1].update(opt_units[i])
     last_fwd = _last_fwd_readers(out_units)
     for i, u in enumerate(out_units):
         if i in replays:
@@ -1184,6 +1315,7 @@ def profile_model(
         },
         "copy_engines": int(getattr(backend, "copy_engines", 1)) if backend is not None else _copy_engines(dev),
         "environment": environment(dev),
+        **({"optimizer": opt_other} if opt_other is not None else {}),
         "units": out_units,
     }
 

@@ -26,7 +26,7 @@
 use crate::action::Action;
 use crate::allocator::{simulate, AllocConf, AllocEvent, AllocStats, Initial};
 use crate::error::Result;
-use crate::evaluator::{run_with_events, EvalOptions, Outcome, Scratch};
+use crate::evaluator::{run_with_events, EvalOptions, Outcome, Scratch, StateSwaps};
 use crate::profile::Graph;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -67,6 +67,12 @@ pub enum What {
     BwdWork(usize),
     /// Transient: the stage's parameter gradients charged under a replay inside the stage.
     ReplayGrad(usize),
+    /// Swapped parameters of a unit, from their prefetch to their swap-out after the optimizer.
+    Param(usize),
+    /// Swapped optimizer state of a unit, from its prefetch to its swap-out.
+    OptState(usize),
+    /// Transient: an optimizer stage's memory (`optimizer_transient_bytes`).
+    OptWork(usize),
 }
 
 impl What {
@@ -85,6 +91,9 @@ impl What {
             What::Kept(u) => ("kept", u),
             What::BwdWork(u) => ("bwd_work", u),
             What::ReplayGrad(u) => ("replay_grad", u),
+            What::Param(u) => ("param", u),
+            What::OptState(u) => ("opt_state", u),
+            What::OptWork(u) => ("opt_work", u),
         };
         format!("{k}:{u}")
     }
@@ -188,7 +197,8 @@ impl MemoryEvents for Recorder {
 #[derive(Debug, Clone)]
 pub struct Sequence {
     pub outcome: Outcome,
-    /// The profile's constant memory: the simulator's initial live bytes.
+    /// The profile's constant memory less what the plan keeps on the host between steps: the
+    /// simulator's initial live bytes.
     pub constant: u64,
     pub events: Vec<AllocEvent>,
     pub what: Vec<What>,
@@ -245,12 +255,27 @@ pub fn allocation_sequence(
     budget: u64,
     opts: &EvalOptions,
 ) -> Result<Sequence> {
+    allocation_sequence_with_swaps(g, actions, starts, &StateSwaps::none(), budget, opts)
+}
+
+/// [`allocation_sequence`] of a plan that also keeps parameters or optimizer state on the host
+/// between steps: their prefetches and swap-outs are blocks too, and the simulation starts
+/// without them.
+pub fn allocation_sequence_with_swaps(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    swaps: &StateSwaps,
+    budget: u64,
+    opts: &EvalOptions,
+) -> Result<Sequence> {
     let mut rec = Recorder { max_tensor: g.out.iter().copied().max().unwrap_or(0), ..Recorder::default() };
-    let outcome = run_with_events(g, actions, starts, budget, opts, &mut Scratch::new(g.n), true, &mut rec);
+    let outcome = run_with_events(g, actions, starts, swaps, budget, opts, &mut Scratch::new(g.n), true, &mut rec);
     if let Some(e) = rec.error {
         return Err(crate::error::CoreError::InvalidPlan(format!("allocation sequence: {e}")));
     }
-    Ok(Sequence { outcome, constant: g.constant, events: rec.events, what: rec.what, times: rec.times })
+    let constant = g.constant - swaps.host_bytes(g);
+    Ok(Sequence { outcome, constant, events: rec.events, what: rec.what, times: rec.times })
 }
 
 /// The reserved memory of a plan: its allocation sequence simulated under `conf` (the initial
@@ -263,7 +288,20 @@ pub fn reserved_peak(
     opts: &EvalOptions,
     conf: &AllocConf,
 ) -> Result<(Sequence, AllocStats)> {
-    let seq = allocation_sequence(g, actions, starts, budget, opts)?;
+    reserved_peak_with_swaps(g, actions, starts, &StateSwaps::none(), budget, opts, conf)
+}
+
+/// [`reserved_peak`] with parameters or optimizer state swapped across iterations.
+pub fn reserved_peak_with_swaps(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    swaps: &StateSwaps,
+    budget: u64,
+    opts: &EvalOptions,
+    conf: &AllocConf,
+) -> Result<(Sequence, AllocStats)> {
+    let seq = allocation_sequence_with_swaps(g, actions, starts, swaps, budget, opts)?;
     let stats = seq.simulate(conf)?;
     Ok((seq, stats))
 }

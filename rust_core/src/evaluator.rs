@@ -6,6 +6,8 @@
 use crate::action::Action;
 use crate::alloc_sequence::{MemoryEvents, NoEvents, What};
 use crate::profile::Graph;
+pub use crate::state_swap::StateSwaps;
+use crate::state_swap::StateSchedule;
 use std::cmp::Ordering;
 
 /// Settings of the simulation that are not part of the profile.
@@ -50,12 +52,16 @@ impl Score {
     }
 }
 
-/// Which stage of the step: forward or backward of a unit.
+/// Which stage of the step: forward or backward of a unit, the whole optimizer step in one call,
+/// or (a plan that swaps parameters or optimizer state across iterations) the optimizer step over
+/// a unit's parameters (`Opt(n)`: over the parameters of no unit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     Start,
     Fwd(usize),
     Bwd(usize),
+    OptStep,
+    Opt(usize),
 }
 
 impl Stage {
@@ -64,6 +70,36 @@ impl Stage {
             Stage::Start => "start".into(),
             Stage::Fwd(i) => format!("fwd:{i}"),
             Stage::Bwd(i) => format!("bwd:{i}"),
+            Stage::OptStep => "opt".into(),
+            Stage::Opt(i) => format!("opt:{i}"),
+        }
+    }
+}
+
+/// What a copy moves: a unit's activations, or (TENSILE, across iterations) its parameters or
+/// their optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Moved {
+    Activations,
+    Parameters,
+    OptimizerState,
+}
+
+impl Moved {
+    pub fn name(self) -> &'static str {
+        match self {
+            Moved::Activations => "activations",
+            Moved::Parameters => "parameters",
+            Moved::OptimizerState => "optimizer_state",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Moved> {
+        match s {
+            "activations" => Some(Moved::Activations),
+            "parameters" => Some(Moved::Parameters),
+            "optimizer_state" => Some(Moved::OptimizerState),
+            _ => None,
         }
     }
 }
@@ -107,12 +143,21 @@ pub struct Outcome {
     /// Replays of recomputed units on the compute stream: (unit, backward stage, start, end),
     /// recorded evaluations only.
     pub replays: Vec<(usize, usize, f64, f64)>,
+    /// Prefetches of swapped parameters and optimizer state: (what, unit, the stage at whose
+    /// start it is issued), in issue order (recorded evaluations only).
+    pub state_prefetch: Vec<(Moved, usize, Stage)>,
+    /// (stage, what, unit): the swap-out of a unit's parameters or optimizer state has completed
+    /// and its bytes left the device before `stage` starts (or before it allocates, when it
+    /// waited for it), or before the step ends (`Stage::Start`: the end-of-step wait).
+    pub state_deadlines: Vec<(Stage, Moved, usize)>,
 }
 
-/// One copy on the copy stream: a swap-out (`to_host`) or a prefetch of `unit`'s activations.
+/// One copy on the copy stream: a swap-out (`to_host`) or a prefetch of `unit`'s activations
+/// (or of its parameters or optimizer state: `what`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CopyEvent {
     pub unit: usize,
+    pub what: Moved,
     pub to_host: bool,
     /// The copy queue: 0, or 1 for prefetches when the profile has two copy engines.
     pub queue: usize,
@@ -153,8 +198,22 @@ pub struct Scratch {
     charged_run: Vec<usize>,
     /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
     replayed: Vec<bool>,
+    /// Swap-outs in FIFO order: (completion time, item), item = unit | kind << KIND_SHIFT.
     queue: Vec<(f64, u32)>,
+    /// Swapped parameters / optimizer state: on the device (prefetched, or not yet swapped out),
+    /// when their prefetch completes, and whether their swap-out is queued.
+    param_resident: Vec<bool>,
+    param_ready: Vec<f64>,
+    param_out: Vec<bool>,
+    state_resident: Vec<bool>,
+    state_ready: Vec<f64>,
+    state_out: Vec<bool>,
 }
+
+/// Queue items: the kind of what a swap-out moves, in the item's top bits.
+const KIND_SHIFT: u32 = 30;
+const KIND_PARAM: u32 = 1;
+const KIND_STATE: u32 = 2;
 
 impl Scratch {
     pub fn new(n: usize) -> Scratch {
@@ -189,6 +248,14 @@ impl Scratch {
         self.replayed.clear();
         self.replayed.resize(n, false);
         self.queue.clear();
+        for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
+            v.clear();
+            v.resize(n, false);
+        }
+        for v in [&mut self.param_ready, &mut self.state_ready] {
+            v.clear();
+            v.resize(n, 0.0);
+        }
     }
 }
 
@@ -224,6 +291,8 @@ struct Sim<'a, E: MemoryEvents> {
     deadlines: Vec<(Stage, usize)>,
     copies: Vec<CopyEvent>,
     replays: Vec<(usize, usize, f64, f64)>,
+    state_prefetch: Vec<(Moved, usize, Stage)>,
+    state_deadlines: Vec<(Stage, Moved, usize)>,
 }
 
 impl<'a, E: MemoryEvents> Sim<'a, E> {
@@ -235,11 +304,37 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
                 break;
             }
             self.head += 1;
-            self.release(u as usize);
+            self.release(u);
         }
     }
 
-    fn release(&mut self, u: usize) {
+    /// A queued swap-out has completed: its bytes leave the device (unless it was cancelled).
+    fn release(&mut self, item: u32) {
+        let u = (item & ((1 << KIND_SHIFT) - 1)) as usize;
+        match item >> KIND_SHIFT {
+            KIND_PARAM => self.release_state(Moved::Parameters, u),
+            KIND_STATE => self.release_state(Moved::OptimizerState, u),
+            _ => self.release_act(u),
+        }
+    }
+
+    fn release_state(&mut self, what: Moved, u: usize) {
+        let (out, resident, bytes, block) = match what {
+            Moved::Parameters => (&mut self.s.param_out, &mut self.s.param_resident, self.g.param[u], What::Param(u)),
+            _ => (&mut self.s.state_out, &mut self.s.state_resident, self.g.opt_state[u], What::OptState(u)),
+        };
+        if out[u] {
+            out[u] = false;
+            resident[u] = false;
+            self.mem -= bytes;
+            self.ev.free(block, self.t);
+            if self.record {
+                self.state_deadlines.push((self.stage, what, u));
+            }
+        }
+    }
+
+    fn release_act(&mut self, u: usize) {
         if self.s.in_queue[u] {
             if self.record {
                 self.deadlines.push((self.stage, u));
@@ -257,7 +352,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         let still = match self.stage {
             Stage::Start => true,
             Stage::Fwd(s) => g.linger_until[u] >= s,
-            Stage::Bwd(_) => g.linger_until[u] >= g.n,
+            Stage::Bwd(_) | Stage::OptStep | Stage::Opt(_) => g.linger_until[u] >= g.n,
         };
         let keep = if still { g.linger[u] } else { 0 };
         self.mem -= g.act[u] - keep;
@@ -275,18 +370,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     /// Before something that needs `extra` bytes on top of `mem`: wait for queued swap-outs
     /// (in FIFO order) until it fits; if nothing is left to wait for, record the excess.
     fn make_room(&mut self, extra: u64) {
-        while self.mem + extra > self.budget && self.head < self.s.queue.len() {
-            let (end, u) = self.s.queue[self.head];
-            self.head += 1;
-            if !self.s.in_queue[u as usize] {
-                continue;
-            }
-            if end > self.t {
-                self.stall += end - self.t;
-                self.t = end;
-            }
-            self.release(u as usize);
-        }
+        while self.mem + extra > self.budget && self.wait_next_swap_out() {}
         let total = self.mem + extra;
         if total > self.budget {
             let over = total - self.budget;
@@ -301,6 +385,112 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.excess = self.excess.max(over);
         }
         self.touch(total);
+    }
+
+    /// Wait (swap stall) for the next queued swap-out that still holds device bytes, and release
+    /// it; false if none is left.
+    fn wait_next_swap_out(&mut self) -> bool {
+        while self.head < self.s.queue.len() {
+            let (end, item) = self.s.queue[self.head];
+            self.head += 1;
+            if !self.queued(item) {
+                continue;
+            }
+            if end > self.t {
+                self.stall += end - self.t;
+                self.t = end;
+            }
+            self.release(item);
+            return true;
+        }
+        false
+    }
+
+    /// The swap-out `item` still holds device bytes (it was not cancelled or freed).
+    fn queued(&self, item: u32) -> bool {
+        let u = (item & ((1 << KIND_SHIFT) - 1)) as usize;
+        match item >> KIND_SHIFT {
+            KIND_PARAM => self.s.param_out[u],
+            KIND_STATE => self.s.state_out[u],
+            _ => self.s.in_queue[u],
+        }
+    }
+
+    /// Queue a copy of `bytes` on the queue of its direction; returns (start, end).
+    fn copy(&mut self, unit: usize, what: Moved, to_host: bool, bytes: u64) -> (f64, f64) {
+        let (bw, q) = if to_host { (self.g.d2h, 0) } else { (self.g.h2d, self.h2d_queue) };
+        let dur = bytes as f64 / bw;
+        let start = self.t.max(self.copy_free[q]);
+        let end = start + dur;
+        self.copy_free[q] = end;
+        self.copy_time += dur;
+        if self.record {
+            self.copies.push(CopyEvent { unit, what, to_host, queue: q, start, end, bytes });
+        }
+        (start, end)
+    }
+
+    /// Prefetch unit `u`'s swapped parameters or optimizer state (issued at the current stage):
+    /// its bytes are allocated now (waiting for swap-outs if they do not fit) and ready when the
+    /// copy completes.
+    fn prefetch_state(&mut self, what: Moved, u: usize) {
+        let (bytes, block) = match what {
+            Moved::Parameters => (self.g.param[u], What::Param(u)),
+            _ => (self.g.opt_state[u], What::OptState(u)),
+        };
+        let resident = match what {
+            Moved::Parameters => self.s.param_resident[u],
+            _ => self.s.state_resident[u],
+        };
+        if resident {
+            return;
+        }
+        if self.record {
+            self.state_prefetch.push((what, u, self.stage));
+        }
+        self.make_room(bytes);
+        let (_, end) = self.copy(u, what, false, bytes);
+        self.mem += bytes;
+        self.ev.alloc(block, bytes, self.t);
+        self.touch(self.mem);
+        match what {
+            Moved::Parameters => {
+                self.s.param_resident[u] = true;
+                self.s.param_ready[u] = end;
+            }
+            _ => {
+                self.s.state_resident[u] = true;
+                self.s.state_ready[u] = end;
+            }
+        }
+    }
+
+    /// Before a use of unit `u`'s swapped parameters or state: prefetch now if no stage did, and
+    /// wait for the copy (swap stall).
+    fn ensure_state(&mut self, what: Moved, u: usize) {
+        self.prefetch_state(what, u);
+        let ready = match what {
+            Moved::Parameters => self.s.param_ready[u],
+            _ => self.s.state_ready[u],
+        };
+        if ready > self.t {
+            self.stall += ready - self.t;
+            self.t = ready;
+        }
+    }
+
+    /// After unit `u`'s optimizer stage: queue the swap-out of its parameters or state.
+    fn swap_out_state(&mut self, what: Moved, u: usize) {
+        let (bytes, kind) = match what {
+            Moved::Parameters => (self.g.param[u], KIND_PARAM),
+            _ => (self.g.opt_state[u], KIND_STATE),
+        };
+        let (_, end) = self.copy(u, what, true, bytes);
+        self.s.queue.push((end, u as u32 | kind << KIND_SHIFT));
+        match what {
+            Moved::Parameters => self.s.param_out[u] = true,
+            _ => self.s.state_out[u] = true,
+        }
     }
 
     fn touch(&mut self, bytes: u64) {
@@ -354,14 +544,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     }
 
     fn issue_swap_out(&mut self, u: usize) {
-        let dur = self.g.act[u] as f64 / self.g.d2h;
-        let start = self.t.max(self.copy_free[0]);
-        let end = start + dur;
-        self.copy_free[0] = end;
-        self.copy_time += dur;
-        if self.record {
-            self.copies.push(CopyEvent { unit: u, to_host: true, queue: 0, start, end, bytes: self.g.act[u] });
-        }
+        let (_, end) = self.copy(u, Moved::Activations, true, self.g.act[u]);
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
         self.s.host[u] = true;
@@ -378,15 +561,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.s.ready[u] = self.t;
             return;
         }
-        let dur = self.g.act[u] as f64 / self.g.h2d;
-        let q = self.h2d_queue;
-        let start = self.t.max(self.copy_free[q]);
-        let end = start + dur;
-        self.copy_free[q] = end;
-        self.copy_time += dur;
-        if self.record {
-            self.copies.push(CopyEvent { unit: u, to_host: false, queue: q, start, end, bytes: self.g.act[u] });
-        }
+        let (_, end) = self.copy(u, Moved::Activations, false, self.g.act[u]);
         self.mem += self.g.act[u];
         self.ev.alloc(What::Act(u), self.g.act[u], self.t);
         self.touch(self.mem);
@@ -522,16 +697,33 @@ pub fn evaluate_segments(
     scratch: &mut Scratch,
     record: bool,
 ) -> Outcome {
-    run_with_events(g, actions, starts, budget, opts, scratch, record, &mut NoEvents)
+    run_with_events(g, actions, starts, &StateSwaps::none(), budget, opts, scratch, record, &mut NoEvents)
 }
 
-/// [`evaluate_segments`], reporting every change of the memory count to `ev`
+/// Evaluate with explicit checkpoint segments and parameters / optimizer state swapped across
+/// iterations (docs/cost-model.md, "Optimizer step").
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_with_swaps(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    swaps: &StateSwaps,
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    record: bool,
+) -> Outcome {
+    run_with_events(g, actions, starts, swaps, budget, opts, scratch, record, &mut NoEvents)
+}
+
+/// [`evaluate_with_swaps`], reporting every change of the memory count to `ev`
 /// (crate::alloc_sequence).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_with_events<E: MemoryEvents>(
     g: &Graph,
     actions: &[Action],
     starts: &[bool],
+    swaps: &StateSwaps,
     budget: u64,
     opts: &EvalOptions,
     scratch: &mut Scratch,
@@ -542,6 +734,10 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
     scratch.reset(n);
+    // Swapped parameters and optimizer state are on the host when the step starts; when each
+    // prefetch is issued (crate::state_swap).
+    let schedule = StateSchedule::new(g, swaps);
+    let constant = g.constant - schedule.host_bytes;
     let mut sim = Sim {
         g,
         ev,
@@ -554,8 +750,8 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         t: 0.0,
         copy_free: [0.0; 2],
         h2d_queue: if g.copy_engines >= 2 { 1 } else { 0 },
-        mem: g.constant,
-        peak: g.constant,
+        mem: constant,
+        peak: constant,
         peak_stage: Stage::Start,
         stall: 0.0,
         recompute: 0.0,
@@ -564,19 +760,20 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         excess: 0,
         reason: None,
         stage: Stage::Start,
-        stage_start_mem: g.constant,
-        stage_peak: g.constant,
+        stage_start_mem: constant,
+        stage_peak: constant,
         curve: Vec::new(),
         prefetch: Vec::new(),
         deadlines: Vec::new(),
         copies: Vec::new(),
         replays: Vec::new(),
+        state_prefetch: Vec::new(),
+        state_deadlines: Vec::new(),
     };
-    if g.constant > budget {
-        sim.excess = g.constant - budget;
+    if constant > budget {
+        sim.excess = constant - budget;
         sim.reason = Some(format!(
-            "the constant memory ({} bytes) alone exceeds the budget",
-            g.constant
+            "the constant memory ({constant} bytes) alone exceeds the budget"
         ));
     }
 
@@ -617,6 +814,12 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
     for i in 0..n {
         let t0 = sim.t;
         sim.begin_stage(Stage::Fwd(i));
+        for k in 0..schedule.at_fwd[i].len() {
+            sim.prefetch_state(Moved::Parameters, schedule.at_fwd[i][k]);
+        }
+        if schedule.params[i] {
+            sim.ensure_state(Moved::Parameters, i);
+        }
         let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
         if actions[i] == Action::Recompute {
             alloc += sim.s.held_bytes[i] + sim.s.held_saved[i];
@@ -691,6 +894,9 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
     for i in (0..n).rev() {
         let t0 = sim.t;
         sim.begin_stage(Stage::Bwd(i));
+        for k in 0..schedule.at_bwd[i].len() {
+            sim.prefetch_state(Moved::OptimizerState, schedule.at_bwd[i][k]);
+        }
         // Issue prefetches whose need is within the lookahead window, most urgent first, while
         // they fit; the one needed by this very stage is issued regardless (in `ensure`).
         while next < g.need_order.len() {
@@ -749,7 +955,57 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         sim.end_stage(t0);
     }
 
-    let compute_time: f64 = g.fwd_time.iter().sum::<f64>() + g.bwd_time.iter().sum::<f64>();
+    // The optimizer step: one call when nothing is swapped across iterations; else one stage per
+    // unit, each updating the unit's parameters (with its optimizer state, waiting for its
+    // prefetch), then queueing the swap-outs of what the plan keeps on the host.
+    if g.has_optimizer && !schedule.any {
+        let t0 = sim.t;
+        sim.begin_stage(Stage::OptStep);
+        sim.make_room(g.opt_step_transient);
+        sim.ev.alloc(What::OptWork(n), g.opt_step_transient, sim.t);
+        sim.t += g.opt_step_time;
+        sim.ev.free(What::OptWork(n), sim.t);
+        sim.touch(sim.mem);
+        sim.end_stage(t0);
+    }
+    let chunks: &[usize] = if schedule.any { &g.opt_order } else { &[] };
+    for (k, &u) in chunks.iter().enumerate() {
+        let t0 = sim.t;
+        sim.begin_stage(Stage::Opt(u));
+        for j in 0..schedule.at_opt[k].len() {
+            sim.prefetch_state(Moved::OptimizerState, schedule.at_opt[k][j]);
+        }
+        if u < n && schedule.states[u] {
+            sim.ensure_state(Moved::OptimizerState, u);
+        }
+        let (time, transient) = g.opt_stage(u);
+        sim.make_room(transient);
+        sim.ev.alloc(What::OptWork(u), transient, sim.t);
+        sim.t += time;
+        sim.ev.free(What::OptWork(u), sim.t);
+        if u < n && schedule.params[u] {
+            sim.swap_out_state(Moved::Parameters, u);
+        }
+        if u < n && schedule.states[u] {
+            sim.swap_out_state(Moved::OptimizerState, u);
+        }
+        sim.touch(sim.mem);
+        sim.end_stage(t0);
+    }
+    if g.has_optimizer {
+        // The step ends when the swap-outs of this step have completed (TENSILE: the executor
+        // waits for the unfinished swap events of the iteration); the wait is swap stall.
+        // (No deadline is recorded: the executor waits for all of them when the step ends.)
+        sim.record = false;
+        while sim.wait_next_swap_out() {}
+    }
+
+    let opt_time: f64 = match (g.has_optimizer, schedule.any) {
+        (false, _) => 0.0,
+        (true, false) => g.opt_step_time,
+        (true, true) => g.opt_time.iter().sum::<f64>() + g.opt_other_time,
+    };
+    let compute_time: f64 = g.fwd_time.iter().sum::<f64>() + g.bwd_time.iter().sum::<f64>() + opt_time;
     let feasible = sim.excess == 0;
     Outcome {
         step_time: sim.t,
@@ -770,6 +1026,8 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         swap_deadlines: sim.deadlines,
         copies: sim.copies,
         replays: sim.replays,
+        state_prefetch: sim.state_prefetch,
+        state_deadlines: sim.state_deadlines,
     }
 }
 

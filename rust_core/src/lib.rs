@@ -3,6 +3,7 @@
 //!
 //! - [`profile`]: the Profile format and its validated graph.
 //! - [`evaluator`]: the time-cost model (HOME Algorithm 2), docs/cost-model.md.
+//! - [`state_swap`]: parameters and optimizer state swapped across iterations (TENSILE).
 //! - [`peak`]: peak analysis and the lower bound of any plan.
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3); [`polish`]: the local search
 //!   after it.
@@ -31,6 +32,7 @@ pub mod profile;
 pub mod pso;
 pub mod recipes;
 pub mod reserved;
+pub mod state_swap;
 pub mod versioned;
 
 #[cfg(feature = "python")]
@@ -38,6 +40,7 @@ mod python;
 
 pub use action::Action;
 pub use error::{CoreError, Result};
-pub use evaluator::{evaluate, evaluate_segments, CopyEvent, EvalOptions, Outcome, Score, Scratch, Stage};
+pub use evaluator::{evaluate, evaluate_segments, evaluate_with_swaps, CopyEvent, EvalOptions, Moved, Outcome, Score, Scratch, Stage};
+pub use state_swap::StateSwaps;
 pub use plan::Plan;
 pub use profile::{Graph, Profile};

@@ -2,7 +2,7 @@
 //! (moDNN's per-task bound), and the smallest budget a simple plan is known to meet.
 
 use crate::action::Action;
-use crate::evaluator::{evaluate, EvalOptions, Outcome, Scratch, Stage};
+use crate::evaluator::{evaluate, evaluate_with_swaps, EvalOptions, Outcome, Scratch, Stage, StateSwaps};
 use crate::profile::Graph;
 
 /// The peak of `actions` with no budget pressure (nothing waits for memory).
@@ -22,11 +22,31 @@ pub fn unplanned_peak(g: &Graph) -> u64 {
 /// inputs (as whole activations when saved, since activations move as one), and unsaved outputs
 /// of earlier units still waiting for a later reader. Backward of unit i: constant memory, the
 /// gradients produced so far, the stage's transient, and the activations the stage reads.
+/// The optimizer step (a profile with one): constant memory, every gradient and its transient.
 pub fn lower_bound(g: &Graph) -> (u64, Stage) {
-    let mut best = (g.constant, Stage::Start);
+    bound(g, false)
+}
+
+/// The lower bound of plans that may also keep parameters and optimizer state on the host
+/// between steps (crate::state_swap): as [`lower_bound`], less the optimizer state of every unit
+/// except the one an optimizer stage updates, and less the parameters of units whose forward
+/// has not run yet (in the forward) or whose optimizer stage has run (in the optimizer stages).
+/// A plan that swaps nothing runs the optimizer step in one call: the smaller of the two bounds.
+pub fn lower_bound_with_state_swaps(g: &Graph) -> (u64, Stage) {
+    let (a, b) = (bound(g, true), bound(g, false));
+    if a.0 <= b.0 { a } else { b }
+}
+
+fn bound(g: &Graph, swapping: bool) -> (u64, Stage) {
+    let states: u64 = if swapping { g.opt_state.iter().sum() } else { 0 };
+    let params_total: u64 = if swapping { g.param.iter().sum() } else { 0 };
+    let mut best = (g.constant - states - params_total, Stage::Start);
     let mut live_unsaved: u64 = 0; // unsaved outputs alive across the stage boundary
+    let mut params_in = 0u64; // parameters of units whose forward has run (or runs now)
     for i in 0..g.n {
-        let mut need = g.constant + g.act[i] + g.fwd_transient[i];
+        params_in += if swapping { g.param[i] } else { 0 };
+        let base = g.constant - states - (params_total - params_in);
+        let mut need = base + g.act[i] + g.fwd_transient[i];
         if !g.out_saved[i] {
             need += g.out[i];
         }
@@ -53,9 +73,28 @@ pub fn lower_bound(g: &Graph) -> (u64, Stage) {
     for i in (0..g.n).rev() {
         grads += g.grad[i];
         let reads: u64 = g.needs[i].iter().map(|&u| g.act[u]).sum();
-        let need = g.constant + grads + g.bwd_transient[i] + reads;
+        let need = g.constant - states + grads + g.bwd_transient[i] + reads;
         if need > best.0 {
             best = (need, Stage::Bwd(i));
+        }
+    }
+    if g.has_optimizer && !swapping {
+        let need = g.constant + grads + g.opt_step_transient;
+        if need > best.0 {
+            best = (need, Stage::OptStep);
+        }
+    }
+    let mut params_out = 0u64; // parameters of units whose optimizer stage has run
+    let chunks: &[usize] = if swapping { &g.opt_order } else { &[] };
+    for &u in chunks {
+        let (_, transient) = g.opt_stage(u);
+        let state = if swapping && u < g.n { g.opt_state[u] } else { 0 };
+        let need = g.constant - states + state - params_out + grads + transient;
+        if need > best.0 {
+            best = (need, Stage::Opt(u));
+        }
+        if swapping && u < g.n {
+            params_out += g.param[u];
         }
     }
     best
@@ -71,20 +110,52 @@ pub fn smallest_known_budget(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>
     for a in [Action::Swap, Action::Recompute] {
         let plan = vec![a; g.n];
         let feasible = |b: u64, s: &mut Scratch| evaluate(g, &plan, b, opts, s, false).feasible;
-        if !feasible(best.0, &mut scratch) {
-            continue;
-        }
-        let (mut lo, mut hi) = (lb.saturating_sub(1), best.0);
-        while hi - lo > 1.max(hi / 100_000) {
-            let mid = lo + (hi - lo) / 2;
-            if feasible(mid, &mut scratch) {
-                hi = mid;
-            } else {
-                lo = mid;
+        if let Some(b) = bisect(lb, best.0, &mut scratch, feasible) {
+            if b < best.0 {
+                best = (b, plan);
             }
         }
-        if hi < best.0 {
-            best = (hi, plan);
+    }
+    best
+}
+
+/// The smallest budget in (lo, hi] at which `feasible` holds, by bisection to 0.001% (None if it
+/// does not hold at `hi`).
+fn bisect(lo: u64, hi: u64, scratch: &mut Scratch, feasible: impl Fn(u64, &mut Scratch) -> bool) -> Option<u64> {
+    if !feasible(hi, scratch) {
+        return None;
+    }
+    let (mut lo, mut hi) = (lo.saturating_sub(1), hi);
+    while hi - lo > 1.max(hi / 100_000) {
+        let mid = lo + (hi - lo) / 2;
+        if feasible(mid, scratch) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
+}
+
+/// [`smallest_known_budget`] for plans that may also keep parameters and optimizer state on the
+/// host between steps: the simple plans with nothing or everything swapped across iterations.
+pub fn smallest_known_budget_with_swaps(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>, StateSwaps) {
+    let (lb, _) = lower_bound_with_state_swaps(g);
+    let (hi0, plan0) = smallest_known_budget(g, opts);
+    let mut best = (hi0, plan0, StateSwaps::none());
+    let all = StateSwaps::all(g);
+    if !all.any(g) {
+        return best;
+    }
+    let mut scratch = Scratch::new(g.n);
+    for a in [Action::Retain, Action::Swap, Action::Recompute] {
+        let plan = vec![a; g.n];
+        let feasible =
+            |b: u64, s: &mut Scratch| evaluate_with_swaps(g, &plan, &g.block_start, &all, b, opts, s, false).feasible;
+        if let Some(b) = bisect(lb, best.0, &mut scratch, feasible) {
+            if b < best.0 {
+                best = (b, plan, all.clone());
+            }
         }
     }
     best

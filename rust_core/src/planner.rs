@@ -3,8 +3,8 @@
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
-use crate::evaluator::{evaluate_segments, EvalOptions, Scratch};
-use crate::peak::{lower_bound, smallest_known_budget};
+use crate::evaluator::{evaluate_with_swaps, EvalOptions, Scratch, StateSwaps};
+use crate::peak::{lower_bound, lower_bound_with_state_swaps, smallest_known_budget, smallest_known_budget_with_swaps};
 use crate::plan::Plan;
 use crate::profile::Profile;
 use crate::pso::{self, PsoSettings, Trace};
@@ -57,10 +57,20 @@ pub fn make_plan(
         return crate::methods::modnn::make_plan(profile, budget);
     }
     let g = profile.graph()?;
-    let (lb, _) = lower_bound(&g);
+    // TENSILE may also swap parameters and optimizer state across iterations: its bounds are
+    // those of plans that can.
+    let swapping = method == "tensile" && crate::methods::tensile::swappable(&g);
+    let (lb, _) = if swapping { lower_bound_with_state_swaps(&g) } else { lower_bound(&g) };
     if budget < lb {
-        let (smallest, _) = smallest_known_budget(&g, &settings.eval);
+        let smallest = smallest_budget(&g, &settings.eval, swapping);
         return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
+    }
+    if method == "tensile" {
+        let (a, swaps) = crate::methods::tensile::plan_with_state_swaps(&g, budget, &settings.eval);
+        let js = json!({"eval": {"prefetch_lookahead": settings.eval.prefetch_lookahead, "sync_swap_out": false},
+                        "state_swaps": swapping});
+        let starts = g.block_start.clone();
+        return finish(profile, &g, budget, method, js, a, &swaps, &starts, None, &settings.eval, lb, settings.alloc_conf.as_deref());
     }
     let eval_json = json!({"prefetch_lookahead": settings.eval.prefetch_lookahead});
     let mut starts = g.block_start.clone();
@@ -93,7 +103,7 @@ pub fn make_plan(
             let eval = if h == "vdnn-sync" { EvalOptions { sync_swap_out: true, ..settings.eval } } else { settings.eval };
             let a = heuristic_plan(h, profile, &g, budget, &settings.eval).expect("a heuristic");
             let js = json!({"eval": {"prefetch_lookahead": eval.prefetch_lookahead, "sync_swap_out": eval.sync_swap_out}});
-            return finish(profile, &g, budget, method, js, a, &starts, None, &eval, lb, settings.alloc_conf.as_deref());
+            return finish(profile, &g, budget, method, js, a, &StateSwaps::none(), &starts, None, &eval, lb, settings.alloc_conf.as_deref());
         }
         "exhaustive" => {
             let (a, _) = exhaustive::search(&g, budget, &settings.eval)?;
@@ -129,7 +139,17 @@ pub fn make_plan(
             )))
         }
     };
-    finish(profile, &g, budget, method, method_settings, actions, &starts, convergence, &settings.eval, lb, settings.alloc_conf.as_deref())
+    finish(profile, &g, budget, method, method_settings, actions, &StateSwaps::none(), &starts, convergence, &settings.eval, lb, settings.alloc_conf.as_deref())
+}
+
+/// The smallest budget a simple plan is known to meet (with parameters and optimizer state
+/// swapped across iterations when `swapping`).
+fn smallest_budget(g: &crate::profile::Graph, eval: &EvalOptions, swapping: bool) -> u64 {
+    if swapping {
+        smallest_known_budget_with_swaps(g, eval).0
+    } else {
+        smallest_known_budget(g, eval).0
+    }
 }
 
 /// The budget check every method starts with: refuse a budget below the lower bound, naming the
@@ -154,8 +174,27 @@ pub fn plan_from_actions(
     actions: Vec<Action>,
     eval: &EvalOptions,
 ) -> Result<Plan> {
-    let lb = check_budget(profile, budget, eval)?;
+    plan_from_actions_with_swaps(profile, budget, method, method_settings, actions, &StateSwaps::none(), eval)
+}
+
+/// [`plan_from_actions`] with parameters and optimizer state swapped across iterations: the
+/// bounds and refusals are then those of plans that can swap them.
+pub fn plan_from_actions_with_swaps(
+    profile: &Profile,
+    budget: u64,
+    method: &str,
+    method_settings: serde_json::Value,
+    actions: Vec<Action>,
+    swaps: &StateSwaps,
+    eval: &EvalOptions,
+) -> Result<Plan> {
     let g = profile.graph()?;
+    let swapping = swaps.any(&g);
+    let (lb, _) = if swapping { lower_bound_with_state_swaps(&g) } else { lower_bound(&g) };
+    if budget < lb {
+        let smallest = smallest_budget(&g, eval, swapping);
+        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
+    }
     if actions.len() != g.n {
         return Err(CoreError::InvalidPlan(format!(
             "{} actions for {} units; give one action per unit",
@@ -164,7 +203,7 @@ pub fn plan_from_actions(
         )));
     }
     let starts = g.block_start.clone();
-    finish(profile, &g, budget, method, method_settings, actions, &starts, None, eval, lb, None)
+    finish(profile, &g, budget, method, method_settings, actions, swaps, &starts, None, eval, lb, None)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -175,24 +214,28 @@ fn finish(
     method: &str,
     method_settings: serde_json::Value,
     actions: Vec<Action>,
+    swaps: &StateSwaps,
     starts: &[bool],
     convergence: Option<serde_json::Value>,
     eval: &EvalOptions,
     lb: u64,
     alloc_conf: Option<&str>,
 ) -> Result<Plan> {
-    let outcome = evaluate_segments(g, &actions, starts, budget, eval, &mut Scratch::new(g.n), true);
+    let outcome = evaluate_with_swaps(g, &actions, starts, swaps, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
-        let (smallest, _) = smallest_known_budget(g, eval);
+        let swapping = swaps.any(g) || (method == "tensile" && crate::methods::tensile::swappable(g));
+        let smallest = smallest_budget(g, eval, swapping);
         return Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest.max(lb), lower_bound: lb });
     }
     let mut plan = Plan::new(profile, budget, method, method_settings, actions, &outcome);
     plan.segment_starts = (0..g.n).filter(|&u| starts[u]).collect();
+    plan.set_state_swaps(g, swaps, &outcome);
     plan.convergence = convergence;
     // The reserved peak, where the allocator settings are modelled (a settings error matters only
     // to a reserved budget, which checks them first).
     if let Ok((text, conf)) = crate::reserved::alloc_conf_for(profile, alloc_conf) {
-        plan.predicted.reserved_bytes = Some(crate::reserved::reserved_bytes(g, &plan.actions, starts, budget, eval, &conf)?);
+        plan.predicted.reserved_bytes =
+            Some(crate::reserved::reserved_bytes_with_swaps(g, &plan.actions, starts, swaps, budget, eval, &conf)?);
         plan.predicted.alloc_conf = Some(text);
     }
     Ok(plan)

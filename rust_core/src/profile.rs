@@ -87,6 +87,44 @@ pub struct Unit {
     /// Absent: such values are not charged to the reader.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub saved_from: Option<Vec<[i64; 2]>>,
+    /// Bytes of the parameters the optimizer updates that this unit is the first to use in the
+    /// forward (a plan may keep them on the host from the optimizer step to this unit's next
+    /// forward). Absent: none (they stay in `memory.parameters`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_bytes: Option<i64>,
+    /// Bytes of the optimizer state of those parameters (a plan may keep them on the host
+    /// between optimizer steps). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_state_bytes: Option<i64>,
+    /// Seconds of the optimizer step over those parameters (its part of the optimizer stage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_time: Option<f64>,
+    /// Memory that part of the optimizer step allocates while it runs (freed at its end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_transient_bytes: Option<i64>,
+}
+
+/// The optimizer step after the backward (docs/cost-model.md, "Optimizer step"): present when
+/// the profile was measured with an optimizer. The per-unit parts are on the units; this holds
+/// the part over parameters of no unit (used in glue code).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerStep {
+    /// The optimizer's class (descriptive).
+    #[serde(default)]
+    pub name: String,
+    /// Seconds of the step over parameters that no unit owns.
+    #[serde(default)]
+    pub other_time: f64,
+    /// Memory that part allocates while it runs.
+    #[serde(default)]
+    pub other_transient_bytes: i64,
+    /// Seconds of one whole optimizer step (one call over every parameter: what runs when no
+    /// parameters or optimizer state are swapped across iterations).
+    #[serde(default)]
+    pub step_time: f64,
+    /// Memory one whole step allocates while it runs.
+    #[serde(default)]
+    pub transient_bytes: i64,
 }
 
 fn default_kind() -> String {
@@ -120,6 +158,9 @@ pub struct Profile {
     /// settings): descriptive, compared by `run()`, not part of the fingerprint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<serde_json::Value>,
+    /// The optimizer step (absent: the step ends with the backward, as before it was modelled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerStep>,
     pub units: Vec<Unit>,
 }
 
@@ -175,6 +216,47 @@ pub struct Graph {
     pub releases_after_fwd: Vec<Vec<usize>>,
     /// Units with readers, in the order the backward pass first needs them.
     pub need_order: Vec<usize>,
+    /// The profile has an optimizer step: the step ends with the optimizer stages.
+    pub has_optimizer: bool,
+    /// Per unit, bytes of the parameters it brings in first (`param_bytes`), their optimizer
+    /// state (`optimizer_state_bytes`), the time and transient of its part of the optimizer step.
+    pub param: Vec<u64>,
+    pub opt_state: Vec<u64>,
+    pub opt_time: Vec<f64>,
+    pub opt_transient: Vec<u64>,
+    /// The optimizer stages in the order they run: units with optimizer work, last unit first,
+    /// then `n` (the parameters of no unit). Empty without an optimizer step.
+    pub opt_order: Vec<usize>,
+    /// Time and transient of stage `opt:n` (the parameters of no unit).
+    pub opt_other_time: f64,
+    pub opt_other_transient: u64,
+    /// Time and transient of the whole optimizer step in one call (stage `opt`).
+    pub opt_step_time: f64,
+    pub opt_step_transient: u64,
+}
+
+impl Graph {
+    /// Position of a stage in the step (and in an outcome's curve): forward stage i is i,
+    /// backward stage i is 2n-1-i, the whole optimizer step or the k-th optimizer stage 2n+k.
+    pub fn stage_index(&self, stage: crate::evaluator::Stage) -> usize {
+        use crate::evaluator::Stage;
+        match stage {
+            Stage::Start => 0,
+            Stage::Fwd(i) => i,
+            Stage::Bwd(i) => 2 * self.n - 1 - i,
+            Stage::Opt(u) => 2 * self.n + self.opt_order.iter().position(|&v| v == u).unwrap_or(0),
+            Stage::OptStep => 2 * self.n,
+        }
+    }
+
+    /// Time and transient of optimizer stage `u` (a unit, or n for the parameters of no unit).
+    pub fn opt_stage(&self, u: usize) -> (f64, u64) {
+        if u < self.n {
+            (self.opt_time[u], self.opt_transient[u])
+        } else {
+            (self.opt_other_time, self.opt_other_transient)
+        }
+    }
 }
 
 impl Profile {
@@ -236,6 +318,18 @@ impl Profile {
             if let Some(sf) = &u.saved_from {
                 h.update(format!("saved_from{sf:?};"));
             }
+            if let Some(b) = u.param_bytes {
+                h.update(format!("param{b};"));
+            }
+            if let Some(b) = u.optimizer_state_bytes {
+                h.update(format!("optimizer_state{b};"));
+            }
+            if let Some(b) = u.optimizer_transient_bytes {
+                h.update(format!("optimizer_transient{b};"));
+            }
+        }
+        if let Some(o) = &self.optimizer {
+            h.update(format!("optimizer{}|{}|{};", o.name, o.other_transient_bytes, o.transient_bytes));
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
@@ -304,6 +398,9 @@ impl Profile {
                 ("grad_bytes", u.grad_bytes),
                 ("replay_transient_bytes", u.replay_transient_bytes.unwrap_or(0)),
                 ("lingering_bytes", u.lingering_bytes.unwrap_or(0)),
+                ("param_bytes", u.param_bytes.unwrap_or(0)),
+                ("optimizer_state_bytes", u.optimizer_state_bytes.unwrap_or(0)),
+                ("optimizer_transient_bytes", u.optimizer_transient_bytes.unwrap_or(0)),
             ];
             for (what, v) in sizes {
                 if v < 0 {
@@ -313,7 +410,7 @@ impl Profile {
                     )));
                 }
             }
-            for (what, v) in [("fwd_time", u.fwd_time), ("bwd_time", u.bwd_time)] {
+            for (what, v) in [("fwd_time", u.fwd_time), ("bwd_time", u.bwd_time), ("optimizer_time", u.optimizer_time.unwrap_or(0.0))] {
                 if !(v.is_finite() && v >= 0.0) {
                     return Err(CoreError::InvalidProfile(format!(
                         "unit {i} ({}) has {what} = {v}; times are seconds >= 0",
@@ -373,6 +470,7 @@ impl Profile {
                 )));
             }
         }
+        self.check_optimizer_fields()?;
         if let Some(cycle) = find_cycle(&self.units) {
             let names: Vec<String> = cycle.iter().map(|&i| format!("{i} ({})", self.units[i].name)).collect();
             return Err(CoreError::InvalidProfile(format!(
@@ -476,6 +574,25 @@ impl Profile {
         let mut need_order: Vec<usize> = (0..n).filter(|&u| first_need[u].is_some()).collect();
         need_order.sort_unstable_by(|&a, &b| first_need[b].cmp(&first_need[a]).then(b.cmp(&a)));
         let u64s = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> { self.units.iter().map(|u| f(u) as u64).collect() };
+        let has_optimizer = self.optimizer.is_some();
+        let opt_of = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> {
+            if has_optimizer { u64s(f) } else { vec![0; n] }
+        };
+        let param = opt_of(&|u| u.param_bytes.unwrap_or(0));
+        let opt_state = opt_of(&|u| u.optimizer_state_bytes.unwrap_or(0));
+        let opt_transient = opt_of(&|u| u.optimizer_transient_bytes.unwrap_or(0));
+        let opt_time: Vec<f64> =
+            self.units.iter().map(|u| if has_optimizer { u.optimizer_time.unwrap_or(0.0) } else { 0.0 }).collect();
+        let opt_order: Vec<usize> = if has_optimizer {
+            (0..n)
+                .rev()
+                .filter(|&u| param[u] + opt_state[u] + opt_transient[u] > 0 || opt_time[u] > 0.0)
+                .chain(std::iter::once(n))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let other = self.optimizer.clone().unwrap_or_default();
         Ok(Graph {
             n,
             constant: self.memory.total(),
@@ -529,11 +646,50 @@ impl Profile {
             frees_after_bwd,
             releases_after_fwd,
             need_order,
+            has_optimizer,
+            param,
+            opt_state,
+            opt_time,
+            opt_transient,
+            opt_order,
+            opt_other_time: other.other_time,
+            opt_other_transient: other.other_transient_bytes.max(0) as u64,
+            opt_step_time: other.step_time,
+            opt_step_transient: other.transient_bytes.max(0) as u64,
         })
     }
 }
 
 impl Profile {
+    /// The optimizer fields add up: the units' parameters and optimizer state are parts of the
+    /// constant memory's, and the optimizer step's own numbers are valid.
+    fn check_optimizer_fields(&self) -> Result<()> {
+        let params: i64 = self.units.iter().map(|u| u.param_bytes.unwrap_or(0)).sum();
+        let states: i64 = self.units.iter().map(|u| u.optimizer_state_bytes.unwrap_or(0)).sum();
+        if params as u64 > self.memory.parameters {
+            return Err(CoreError::InvalidProfile(format!(
+                "the units' param_bytes sum to {params} bytes, above memory.parameters ({}); they are a part of it",
+                self.memory.parameters
+            )));
+        }
+        if states as u64 > self.memory.optimizer_state {
+            return Err(CoreError::InvalidProfile(format!(
+                "the units' optimizer_state_bytes sum to {states} bytes, above memory.optimizer_state ({}); they are a part of it",
+                self.memory.optimizer_state
+            )));
+        }
+        if let Some(o) = &self.optimizer {
+            let times = [o.other_time, o.step_time];
+            if !times.iter().all(|t| t.is_finite() && *t >= 0.0) || o.other_transient_bytes < 0 || o.transient_bytes < 0 {
+                return Err(CoreError::InvalidProfile(format!(
+                    "optimizer has other_time {}, other_transient_bytes {}, step_time {}, transient_bytes {}; they must be >= 0",
+                    o.other_time, o.other_transient_bytes, o.step_time, o.transient_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// `held_from` of a profile without it: the unit's held bytes, attributed to its inputs whose
     /// output is not saved (and that it does not read saved values of), up to their output size.
     fn derived_held_from(&self, i: usize, inputs: &[usize], saved: &[usize]) -> Vec<(usize, u64)> {

@@ -3,10 +3,10 @@
 use crate::action::Action;
 use crate::allocator as alloc;
 use crate::error::CoreError;
-use crate::evaluator::{evaluate_segments, EvalOptions, Outcome, Scratch};
+use crate::evaluator::{evaluate_with_swaps, EvalOptions, Outcome, Scratch, StateSwaps};
 use crate::peak;
 use crate::plan::{BudgetKind, Plan};
-use crate::planner::{check_budget as run_check_budget, make_plan as run_make_plan, plan_from_actions as run_plan_from_actions, PlanSettings};
+use crate::planner::{check_budget as run_check_budget, make_plan as run_make_plan, plan_from_actions_with_swaps as run_plan_from_actions, PlanSettings};
 use crate::profile::{Graph, Profile};
 use crate::pso::PsoSettings;
 use pyo3::create_exception;
@@ -62,9 +62,19 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         .copies
         .iter()
         .map(|c| {
-            json!({"unit": c.unit, "direction": if c.to_host { "d2h" } else { "h2d" }, "queue": c.queue, "start": c.start,
-                   "end": c.end, "bytes": c.bytes})
+            json!({"unit": c.unit, "what": c.what.name(), "direction": if c.to_host { "d2h" } else { "h2d" },
+                   "queue": c.queue, "start": c.start, "end": c.end, "bytes": c.bytes})
         })
+        .collect();
+    let state_prefetch: Vec<serde_json::Value> = o
+        .state_prefetch
+        .iter()
+        .map(|&(w, u, s)| json!({"unit": u, "what": w.name(), "issue_at": s.label()}))
+        .collect();
+    let state_deadlines: Vec<serde_json::Value> = o
+        .state_deadlines
+        .iter()
+        .map(|&(s, w, u)| json!({"unit": u, "what": w.name(), "before": s.label()}))
         .collect();
     let replays: Vec<serde_json::Value> = o
         .replays
@@ -79,6 +89,7 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         "feasible": o.feasible,
         "excess": o.excess, "reason": o.reason, "curve": curve, "prefetch": prefetch,
         "swap_deadlines": deadlines, "copies": copies, "replays": replays,
+        "state_prefetch": state_prefetch, "state_deadlines": state_deadlines,
     })
 }
 
@@ -94,17 +105,47 @@ fn profile_fingerprint(profile_json: &str) -> PyResult<String> {
     Ok(parse_profile(profile_json)?.fingerprint())
 }
 
-/// The profile, its graph, one action per unit and the segment flags of an evaluation call.
+/// The profile, its graph, one action per unit, the segment flags and the swaps across
+/// iterations of an evaluation call.
 fn parse_plan_inputs(
     profile_json: &str,
     actions: Vec<String>,
     segment_starts: Option<Vec<usize>>,
-) -> PyResult<(Profile, Graph, Vec<Action>, Vec<bool>)> {
+    swap_parameters: Option<Vec<usize>>,
+    swap_optimizer_state: Option<Vec<usize>>,
+) -> PyResult<(Profile, Graph, Vec<Action>, Vec<bool>, StateSwaps)> {
     let p = parse_profile(profile_json)?;
     let g = p.graph().map_err(to_py)?;
     let a = parse_actions(actions, g.n)?;
     let starts = parse_starts(&g, segment_starts)?;
-    Ok((p, g, a, starts))
+    let swaps = parse_swaps(&g, swap_parameters, swap_optimizer_state)?;
+    Ok((p, g, a, starts, swaps))
+}
+
+/// Units whose parameters / optimizer state are kept on the host between steps: refused where
+/// the profile has no optimizer step, or the unit has no such bytes.
+fn parse_swaps(g: &Graph, params: Option<Vec<usize>>, states: Option<Vec<usize>>) -> PyResult<StateSwaps> {
+    let (params, states) = (params.unwrap_or_default(), states.unwrap_or_default());
+    if params.is_empty() && states.is_empty() {
+        return Ok(StateSwaps::none());
+    }
+    if !g.has_optimizer {
+        return Err(PlannerError::new_err(
+            "this profile has no optimizer step, so no parameters or optimizer state can be swapped across \
+             iterations; profile with optimizer= (tensorplace.plan(..., optimizer=opt))",
+        ));
+    }
+    for (what, list, bytes) in [("parameters", &params, &g.param), ("optimizer state", &states, &g.opt_state)] {
+        for &u in list {
+            if u >= g.n || bytes[u] == 0 {
+                return Err(PlannerError::new_err(format!(
+                    "unit {u} has no {what} to swap; the units with some are {:?}",
+                    (0..g.n).filter(|&v| bytes[v] > 0).collect::<Vec<_>>()
+                )));
+            }
+        }
+    }
+    Ok(StateSwaps::from_units(g.n, &params, &states))
 }
 
 fn parse_starts(g: &Graph, segment_starts: Option<Vec<usize>>) -> PyResult<Vec<bool>> {
@@ -131,7 +172,8 @@ fn parse_starts(g: &Graph, segment_starts: Option<Vec<usize>>) -> PyResult<Vec<b
 /// the profile's recorded settings); with `memory_curve` too, `memory_curve`: time, allocated
 /// and reserved bytes after every allocation event (crate::memory_curve).
 #[pyfunction]
-#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None, reserved=false, alloc_conf=None, memory_curve=false))]
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None, reserved=false, alloc_conf=None,
+                    memory_curve=false, swap_parameters=None, swap_optimizer_state=None))]
 #[allow(clippy::too_many_arguments)]
 fn evaluate(
     py: Python<'_>,
@@ -143,19 +185,21 @@ fn evaluate(
     reserved: bool,
     alloc_conf: Option<String>,
     memory_curve: bool,
+    swap_parameters: Option<Vec<usize>>,
+    swap_optimizer_state: Option<Vec<usize>>,
 ) -> PyResult<String> {
     if memory_curve && !reserved {
         return Err(to_py(CoreError::InvalidSetting(
             "memory_curve needs reserved=True (the curve is the allocator simulation's)".into(),
         )));
     }
-    let (p, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
+    let (p, g, a, starts, swaps) = parse_plan_inputs(profile_json, actions, segment_starts, swap_parameters, swap_optimizer_state)?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
     let mut js = if reserved {
         let (text, conf) = crate::reserved::alloc_conf_for(&p, alloc_conf.as_deref()).map_err(to_py)?;
         let (seq, (stats, curve)) = py
             .allow_threads(|| -> crate::error::Result<_> {
-                let seq = crate::alloc_sequence::allocation_sequence(&g, &a, &starts, budget, &eval)?;
+                let seq = crate::alloc_sequence::allocation_sequence_with_swaps(&g, &a, &starts, &swaps, budget, &eval)?;
                 // the per-event timeline is recorded only for the curve
                 let simulated = if memory_curve {
                     crate::memory_curve::memory_curve(&seq, &conf)?
@@ -174,9 +218,12 @@ fn evaluate(
         }
         js
     } else {
-        outcome_json(&evaluate_segments(&g, &a, &starts, budget, &eval, &mut Scratch::new(g.n), true))
+        outcome_json(&evaluate_with_swaps(&g, &a, &starts, &swaps, budget, &eval, &mut Scratch::new(g.n), true))
     };
     js["segment_starts"] = json!((0..g.n).filter(|&u| starts[u]).collect::<Vec<_>>());
+    let (sp, ss) = swaps.units(&g);
+    js["swap_parameters"] = json!(sp);
+    js["swap_optimizer_state"] = json!(ss);
     Ok(js.to_string())
 }
 
@@ -185,17 +232,21 @@ fn evaluate(
 /// `allocator_simulate` reads them), `what` (per event, the block: "act:3", "bwd_work:5", ...),
 /// `times` (per event, seconds from the step's start) and the evaluation's `peak_bytes`.
 #[pyfunction]
-#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None))]
+#[pyo3(signature = (profile_json, actions, budget, prefetch_lookahead=2, segment_starts=None, swap_parameters=None,
+                    swap_optimizer_state=None))]
 fn allocation_sequence(
     profile_json: &str,
     actions: Vec<String>,
     budget: u64,
     prefetch_lookahead: usize,
     segment_starts: Option<Vec<usize>>,
+    swap_parameters: Option<Vec<usize>>,
+    swap_optimizer_state: Option<Vec<usize>>,
 ) -> PyResult<String> {
-    let (_, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
+    let (_, g, a, starts, swaps) = parse_plan_inputs(profile_json, actions, segment_starts, swap_parameters, swap_optimizer_state)?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
-    let seq = crate::alloc_sequence::allocation_sequence(&g, &a, &starts, budget, &eval).map_err(to_py)?;
+    let seq =
+        crate::alloc_sequence::allocation_sequence_with_swaps(&g, &a, &starts, &swaps, budget, &eval).map_err(to_py)?;
     Ok(json!({
         "constant_bytes": seq.constant,
         "peak_bytes": seq.outcome.peak_bytes,
@@ -207,11 +258,13 @@ fn allocation_sequence(
     .to_string())
 }
 
-/// (lower bound in bytes, stage label).
+/// (lower bound in bytes, stage label); with `state_swaps`, of plans that may also keep
+/// parameters and optimizer state on the host between steps.
 #[pyfunction]
-fn lower_bound(profile_json: &str) -> PyResult<(u64, String)> {
+#[pyo3(signature = (profile_json, state_swaps=false))]
+fn lower_bound(profile_json: &str, state_swaps: bool) -> PyResult<(u64, String)> {
     let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
-    let (b, s) = peak::lower_bound(&g);
+    let (b, s) = if state_swaps { peak::lower_bound_with_state_swaps(&g) } else { peak::lower_bound(&g) };
     Ok((b, s.label()))
 }
 
@@ -222,12 +275,20 @@ fn unplanned_peak(profile_json: &str) -> PyResult<u64> {
     Ok(peak::unplanned_peak(&g))
 }
 
-/// The smallest budget all-swap or all-recompute meets, and that plan's actions.
+/// The smallest budget all-swap or all-recompute meets, and that plan's actions; with
+/// `state_swaps`, those plans may also keep every parameter and optimizer state on the host
+/// between steps.
 #[pyfunction]
-#[pyo3(signature = (profile_json, prefetch_lookahead=2))]
-fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize) -> PyResult<(u64, Vec<String>)> {
+#[pyo3(signature = (profile_json, prefetch_lookahead=2, state_swaps=false))]
+fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize, state_swaps: bool) -> PyResult<(u64, Vec<String>)> {
     let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
-    let (b, a) = peak::smallest_known_budget(&g, &EvalOptions { prefetch_lookahead, ..Default::default() });
+    let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
+    let (b, a) = if state_swaps {
+        let (b, a, _) = peak::smallest_known_budget_with_swaps(&g, &eval);
+        (b, a)
+    } else {
+        peak::smallest_known_budget(&g, &eval)
+    };
     Ok((b, a.iter().map(|x| x.name().to_string()).collect()))
 }
 
@@ -311,7 +372,9 @@ fn check_budget(profile_json: &str, budget: u64, prefetch_lookahead: usize) -> P
 /// A plan from actions chosen outside the core (the MILP methods): evaluated and refused like a
 /// searched plan (BudgetError if it does not fit). `settings_json` is stored in the plan.
 #[pyfunction]
-#[pyo3(signature = (profile_json, budget, actions, method, settings_json="{}", prefetch_lookahead=2))]
+#[pyo3(signature = (profile_json, budget, actions, method, settings_json="{}", prefetch_lookahead=2, swap_parameters=None,
+                    swap_optimizer_state=None))]
+#[allow(clippy::too_many_arguments)]
 fn plan_from_actions(
     profile_json: &str,
     budget: u64,
@@ -319,12 +382,17 @@ fn plan_from_actions(
     method: &str,
     settings_json: &str,
     prefetch_lookahead: usize,
+    swap_parameters: Option<Vec<usize>>,
+    swap_optimizer_state: Option<Vec<usize>>,
 ) -> PyResult<String> {
     let p = parse_profile(profile_json)?;
+    let g = p.graph().map_err(to_py)?;
     let a = parse_actions(actions, p.units.len())?;
+    let swaps = parse_swaps(&g, swap_parameters, swap_optimizer_state)?;
     let settings: serde_json::Value = serde_json::from_str(settings_json)
         .map_err(|e| PlannerError::new_err(format!("settings_json is not JSON: {e}")))?;
-    let plan = run_plan_from_actions(&p, budget, method, settings, a, &EvalOptions { prefetch_lookahead, ..Default::default() }).map_err(to_py)?;
+    let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
+    let plan = run_plan_from_actions(&p, budget, method, settings, a, &swaps, &eval).map_err(to_py)?;
     Ok(plan.to_json())
 }
 

@@ -45,6 +45,19 @@ pub fn reserved_bytes(
     Ok(reserved_peak(g, actions, starts, budget, eval, conf)?.1.max_reserved)
 }
 
+/// [`reserved_bytes`] of a plan that also swaps parameters or optimizer state.
+pub fn reserved_bytes_with_swaps(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    swaps: &crate::evaluator::StateSwaps,
+    budget: u64,
+    eval: &EvalOptions,
+    conf: &AllocConf,
+) -> Result<u64> {
+    Ok(crate::alloc_sequence::reserved_peak_with_swaps(g, actions, starts, swaps, budget, eval, conf)?.1.max_reserved)
+}
+
 /// Plan `profile` so that the plan's simulated reserved peak is at most `budget` bytes, in at most
 /// `rounds` searches on allocated budgets. Fails with [`CoreError::NoReservedPlan`], naming the
 /// smallest reserved peak of the plans it found, when none fits.

@@ -24,6 +24,10 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         lingering_until: None,
         held_from: None,
         saved_from: None,
+        param_bytes: None,
+        optimizer_state_bytes: None,
+        optimizer_time: None,
+        optimizer_transient_bytes: None,
     }
 }
 
@@ -55,6 +59,7 @@ pub fn profile(units: Vec<Unit>, constant: u64, bw: f64) -> Profile {
         measured: Measured::default(),
         copy_engines: None,
         environment: None,
+        optimizer: None,
         units,
     }
 }

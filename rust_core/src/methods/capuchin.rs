@@ -13,11 +13,7 @@ use crate::profile::Graph;
 
 /// Stage index of the first stage whose peak is over the budget (the peak stage if none is).
 pub(crate) fn first_over(g: &Graph, o: &Outcome, budget: u64) -> usize {
-    o.curve.iter().position(|c| c.peak > budget).unwrap_or_else(|| match o.peak_stage {
-        crate::evaluator::Stage::Fwd(i) => i,
-        crate::evaluator::Stage::Bwd(i) => bwd_stage(g, i),
-        crate::evaluator::Stage::Start => 0,
-    })
+    o.curve.iter().position(|c| c.peak > budget).unwrap_or_else(|| g.stage_index(o.peak_stage))
 }
 
 /// Whether unit u's activations (retained) are on the device during stage index s, and could

@@ -49,6 +49,8 @@ pub fn scale_profile(p: &Profile, batch: u64, sub: u64, accumulating: bool) -> P
     let s = |x: i64| scale_bytes(x, sub, batch);
     q.batch_size = Some(sub);
     q.measured = Default::default();
+    // the optimizer step is not modelled for moDNN's sub-batches (docs/methods.md, "Not done")
+    q.optimizer = None;
     q.memory.inputs = s(q.memory.inputs as i64) as u64;
     let mut grads: u64 = 0;
     for u in &mut q.units {
