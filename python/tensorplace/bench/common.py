@@ -161,10 +161,10 @@ def host_malloc(mode: str) -> str:
     ``keep`` (the bench's default): glibc keeps freed memory in the process (no heap trimming, no
     mmap'd blocks), as a GPU's caching allocator keeps device memory. With glibc's defaults a CPU
     step pays page faults whenever a free leaves a large block at the top of the heap, and how
-    often that happens depends on the order of allocations, not on the plan's memory: measured on
-    this CPU, the GPT-style model's per-block plan took 12,000-25,000 faults a step where torch's
-    checkpoint of the same blocks took 5 (docs/benchmarks.md). ``default`` leaves glibc as it is.
-    A no-op where the C library is not glibc."""
+    often that happens depends on the order of allocations, not on the plan's memory (the plain
+    GPT-style step took 3,000-8,000 faults a step on this CPU, torch's checkpoint of its blocks
+    none; docs/benchmarks.md, benches/step_faults.py). ``default`` leaves glibc as it is. A no-op
+    where the C library is not glibc."""
     if mode not in HOST_MALLOC_MODES:
         raise SystemExit(f"--host-malloc must be one of {', '.join(HOST_MALLOC_MODES)}, got {mode!r}")
     if mode == "default":
