@@ -234,7 +234,9 @@ def plan_profile(
 
     Methods: "pso" (HOME; its swarm starts from the heuristics' plans unless
     `seed_heuristics` is False, and from `seed_plans`, lists of actions such as another
-    method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), the fixed plans
+    method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), "exhaustive-segments"
+    (every plan and every split of its recomputed runs into checkpoint segments, which the plan's
+    ``segment_starts`` return; up to 12 units), the fixed plans
     "retain", "swap-all", "recompute-all", the recipes "checkpoint-blocks" and "sqrt", the
     heuristics "capuchin", "superneurons", "vdnn",
     "vdnn-sync" (synchronous offload), "tensile", "delta" (DELTA's runtime policy, simulated

@@ -13,9 +13,10 @@ use crate::exhaustive;
 use crate::methods::{heuristic_plan, HEURISTICS};
 use serde_json::json;
 
-pub const METHODS: [&str; 14] = [
+pub const METHODS: [&str; 15] = [
     "pso",
     "exhaustive",
+    "exhaustive-segments",
     "retain",
     "swap-all",
     "recompute-all",
@@ -97,6 +98,11 @@ pub fn make_plan(
         }
         "exhaustive" => {
             let (a, _) = exhaustive::search(&g, budget, &settings.eval)?;
+            (a, json!({"eval": eval_json}), None)
+        }
+        "exhaustive-segments" => {
+            let (a, s, _) = exhaustive::search_segments(&g, budget, &settings.eval)?;
+            starts = s;
             (a, json!({"eval": eval_json}), None)
         }
         "checkpoint-blocks" => {
