@@ -224,6 +224,7 @@ def plan_profile(
     prefetch_lookahead: int = 2,
     time_limit: float = 30.0,
     mip_gap: float = 1e-4,
+    choose_starts: bool = False,
     seed_heuristics: bool = True,
     seed_plans: Optional[Sequence[Sequence[str]]] = None,
     budget_kind: str = "allocated",
@@ -244,8 +245,11 @@ def plan_profile(
     accumulation: ``settings["sub_batch"]``, ``settings["accumulation_steps"]``, predictions
     per full step; train it with ``tensorplace.accumulate``), and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
-    seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
-    smallest budget known to work in `args[1]`) when the budget cannot be met.
+    seconds to a relative gap of `mip_gap` (docs/methods.md); with `choose_starts` the MILP also
+    chooses where its runs of recomputed units are split into checkpoint segments (the plan's
+    ``segment_starts``; "exhaustive-segments" does too, every other method keeps the profile's
+    default starts). Raises `BudgetError` (with the smallest budget known to work in `args[1]`)
+    when the budget cannot be met.
 
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
@@ -258,6 +262,11 @@ def plan_profile(
     """
     if budget_kind not in BUDGET_KINDS:
         raise _core.PlannerError(f"budget_kind {budget_kind!r}: use one of {', '.join(BUDGET_KINDS)}")
+    if choose_starts and method not in MILP_METHODS:
+        raise _core.PlannerError(
+            f"choose_starts applies to the MILP methods ({', '.join(MILP_METHODS)}), not {method!r}; "
+            "use method='exhaustive-segments' on tiny profiles"
+        )
     text = profile_json(profile)
     if method in MILP_METHODS:
         if budget_kind != "allocated":
@@ -275,6 +284,7 @@ def plan_profile(
                     method,
                     time_limit=time_limit,
                     mip_gap=mip_gap,
+                    choose_starts=choose_starts,
                     threads=threads,
                     prefetch_lookahead=prefetch_lookahead,
                 )

@@ -150,14 +150,16 @@ pub fn check_budget(profile: &Profile, budget: u64, eval: &EvalOptions) -> Resul
     Ok(lb)
 }
 
-/// A plan from actions chosen outside the core (the MILP methods in Python): the same budget
-/// check, evaluation and refusal of infeasible results as `make_plan`.
+/// A plan from actions (and segment starts, one flag per unit) chosen outside the core (the MILP
+/// methods in Python): the same budget check, evaluation and refusal of infeasible results as
+/// `make_plan`.
 pub fn plan_from_actions(
     profile: &Profile,
     budget: u64,
     method: &str,
     method_settings: serde_json::Value,
     actions: Vec<Action>,
+    starts: &[bool],
     eval: &EvalOptions,
 ) -> Result<Plan> {
     let lb = check_budget(profile, budget, eval)?;
@@ -169,8 +171,10 @@ pub fn plan_from_actions(
             g.n
         )));
     }
-    let starts = g.block_start.clone();
-    finish(profile, &g, budget, method, method_settings, actions, &starts, None, eval, lb, None)
+    if starts.len() != g.n {
+        return Err(CoreError::InvalidPlan(format!("{} segment flags for {} units; give one per unit", starts.len(), g.n)));
+    }
+    finish(profile, &g, budget, method, method_settings, actions, starts, None, eval, lb, None)
 }
 
 #[allow(clippy::too_many_arguments)]
