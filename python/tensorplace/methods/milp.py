@@ -10,8 +10,8 @@ Methods: ``milp`` (swap and recompute), ``milp-swap`` (AutoTM: swap only) and
 ``milp-recompute`` (Checkmate: recompute only).
 
 Stages are numbered s = 0 .. 2n-1: forward F0 .. F(n-1) are 0 .. n-1, backward B(i) is 2n-1-i.
-For a unit u that owns activations the model has binaries r_u, w_u, c_u (retain, swap,
-recompute; one of them is 1), and for a swap:
+For a unit u the model has binaries r_u, w_u, c_u (retain, swap, recompute; one of them is 1;
+swap only for a unit with activations and a backward reader), and for a swap:
 
 - z[u, b]: the swap-out has left the device when stage b allocates (b in lf+1 .. lf+1+K, the
   copy is queued after u's last forward reader lf); the copy's work is split over the stages
@@ -22,11 +22,21 @@ recompute; one of them is 1), and for a swap:
   at fn itself is a stall;
 - write-once: one swap-out and one prefetch per unit, b <= p.
 
+Checkpoint segments: a binary x[s, e, v] per candidate segment (units s..e recomputed as one
+segment; with the default starts, the runs between two starts, a neighbour in the same run not
+recomputed) and behaviour v: what the segment's replays do depends on a few units outside it
+(a later reader recomputed in another segment holds what it reads instead of having it
+replayed; an earlier unit recomputed in another segment whose saved value a unit of the segment
+reads makes that unit's backward replay it), so each assignment of those that changes the
+segment's behaviour is a column, allowed only where the assignment holds. Each column's replay
+time, memory per stage (held inputs, held saved values, replayed activations) and transient at
+its replays come from simulating the evaluator's rules for that segment (_simulate_segment);
+c_u is the sum of the columns covering u.
+
 One copy stream: at every stage, the copy work placed in it is at most the stage's compute time
-plus its recomputation plus its stall sigma_s. Recomputed units are replayed at their first
-backward reader; an input a replay needs that is not resident then is replayed (or prefetched
-synchronously) in a one-level chain. The objective is the step time: compute + recomputation +
-stalls.
+plus its recomputation plus its stall sigma_s. A swapped input a replay needs is on the device
+by then (its copy's remaining work is a stall) or prefetched then (a stall). The objective is
+the step time: compute + recomputation + stalls.
 """
 
 from __future__ import annotations
