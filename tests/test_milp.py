@@ -224,6 +224,10 @@ def test_milp_matches_pso_on_a_builtin_profile() -> None:
     pso = tp.plan_profile(prof, budget, "pso", particles=50, iterations=50)
     assert milp.predicted["feasible"]
     assert milp.settings["model"]["swap_candidates"] > 0
+    # It starts from PSO's 100 x 100 plan, which the model expresses, and ends no worse in the model.
+    first = milp.settings["attempts"][0]
+    assert first["start_model_step_time"] is not None
+    assert milp.settings["model_step_time"] <= first["start_model_step_time"] * (1 + 1e-6)
     # PSO may win only where the MILP's linear model departs from the evaluator (docs/methods.md)
     assert milp.predicted["step_time"] <= pso.predicted["step_time"] * (1 + MILP_TOLERANCE)
 
@@ -263,6 +267,8 @@ def test_milp_settings_are_checked() -> None:
         milp_plan(text, up, "milp", swap_window=0)
     with pytest.raises(MilpError, match="max_segment"):
         milp_plan(text, up, "milp", max_segment=0)
+    with pytest.raises(MilpError, match="mip_start"):
+        milp_plan(text, up, "milp", mip_start="capuchin")
     with pytest.raises(tp.PlannerError, match="choose_starts applies to the MILP methods"):
         tp.plan_profile(prof, up, "pso", choose_starts=True)
 
