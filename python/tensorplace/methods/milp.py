@@ -451,6 +451,7 @@ def build(
     cap: List[Dict[int, float]] = [{sigma[s]: -1.0} for s in range(S)]  # work - extra <= dur
     own: List[Dict[int, float]] = [{sigma[s]: -1.0} for s in range(S)]  # own-need work <= sigma
     U: Dict[int, _Unit] = {}
+    prefetch_rows: Dict[int, Dict[int, float]] = {}
     counts = {"swap_candidates": 0, "recompute_candidates": 0}
     for u in range(n):
         lf, fn, lu = g.last_fwd[u], g.first_need[u], g.last_use[u]
@@ -537,7 +538,7 @@ def build(
                 m.row(row, -np.inf, 0.0)
                 work_in[gk] = 1.0
                 U[u].work_in[k] = gk
-            m.row({**work_in, w: -h}, 0.0, 0.0)
+            prefetch_rows[u] = {**work_in, w: -h}  # = 0, or >= 0 when a replay prefetched it before (below)
     # Checkpoint segments: a column per candidate segment and behaviour (_segment_variants), the
     # units' recompute binaries the sum of the columns covering them.
     segs = _Segments()
@@ -589,7 +590,9 @@ def build(
     # A swapped input that a replay needs and that is not on the device is prefetched then (a
     # stall; its bytes stay until its last reader, or leave after the replay when that has run).
     # One whose prefetch was issued before has to have arrived: what its copy still has to do
-    # from the replay's stage on is a stall there.
+    # from the replay's stage on is a stall there. One prefetched by a replay before its own
+    # prefetch stays on the device: that prefetch need not copy.
+    synced: Dict[int, List[int]] = {}
     for (u, p, k, gone), xs in miss.items():
         vp = U[p]
         assert vp.w is not None
@@ -601,6 +604,8 @@ def build(
             for col, val in _swap_resident_terms(g, U, p, k).items():
                 _add(row, col, val)
             memc(ms)[k : max(k, fn_p) + 1] += g.act[p]
+            if k < min(vp.work_in, default=k):
+                synced.setdefault(p, []).append(ms)
             late = {col: -1.0 for j, col in vp.work_in.items() if k <= j}
             if late and k < fn_p:
                 h = g.act[p] / g.h2d
@@ -608,6 +613,13 @@ def build(
                 m.row({t: 1.0, **late, **{x: -h for x in xs}}, -h, np.inf)
                 _add(own[k], t, 1.0)
         m.row(row, -1.0, np.inf)
+    for p, row in prefetch_rows.items():
+        h = g.act[p] / g.h2d
+        if p in synced:
+            m.row(row, -np.inf, 0.0)
+            m.row({**row, **{ms: h for ms in synced[p]}}, 0.0, np.inf)
+        else:
+            m.row(row, 0.0, 0.0)
     # Copy stream capacity per stage, and stalls for a prefetch still copying at its need.
     for s in range(S):
         m.row(cap[s], -np.inf, float(dur[s]))
