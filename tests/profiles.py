@@ -10,33 +10,44 @@ from hypothesis import strategies as st
 
 @st.composite
 def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: bool = True,
-                 segments: bool = True) -> Dict[str, Any]:
-    n = draw(st.integers(1, max_units))
+                 segments: bool = True, checkpointable: bool = False) -> Dict[str, Any]:
+    """Random DAG profiles. `checkpointable`: the profiles where checkpoint segments of several
+    units pay off: every unit reads the one before it, a unit holds its inputs' unsaved outputs for
+    a replay (all of them, attributed in held_from, which a segment regenerates instead), and the
+    units are named as repeated blocks of 2 or 3 units (so the profile has default segment
+    starts) two times in three; transients, gradients and constant memory are small, so that
+    activations decide the peak; forward times are short and copies slow, so that recomputing
+    pays off more often than swapping."""
+    n = draw(st.integers(min(3, max_units) if checkpointable else 1, max_units))
+    small = 5 if checkpointable else 1
     units: List[Dict[str, Any]] = []
+    block = draw(st.sampled_from([0, 2, 3])) if checkpointable else 0
     for i in range(n):
         inputs = sorted(set(draw(st.lists(st.integers(0, i - 1), max_size=2)))) if i else []
+        if checkpointable and i:
+            inputs = sorted(set(inputs[:1]) | {i - 1})
         out = draw(st.integers(0, 1000))
         saved = draw(st.booleans())
         if not transients and not saved:
             out = 0  # an unsaved output is a transient of the unit's forward (and of its replay)
-        extra = draw(st.integers(0, 300))
+        extra = draw(st.integers(0, 300 // small))
         act = (out if saved else 0) + extra
         units.append(
             {
-                "name": f"u{i}",
-                "kind": "other",
+                "name": f"b{i // block}.u{i % block}" if block else f"u{i}",
+                "kind": f"k{i % block}" if block else "other",
                 "inputs": inputs,
                 "model_inputs": [] if inputs else [0],
-                "fwd_time": draw(st.floats(0.0, 2.0)),
+                "fwd_time": draw(st.floats(0.0, 2.0 / small)),
                 "bwd_time": draw(st.floats(0.0, 4.0)),
                 "act_bytes": act,
                 "output_bytes": out,
                 "output_saved": saved,
                 "read_by": [],
                 "held_input_bytes": draw(st.integers(0, 200)) if held else 0,
-                "fwd_transient_bytes": draw(st.integers(0, 300)) if transients else 0,
-                "bwd_transient_bytes": draw(st.integers(0, 300)),
-                "grad_bytes": draw(st.integers(0, 100)),
+                "fwd_transient_bytes": draw(st.integers(0, 300 // small)) if transients else 0,
+                "bwd_transient_bytes": draw(st.integers(0, 300 // small)),
+                "grad_bytes": draw(st.integers(0, 100 // small)),
             }
         )
     # Who reads each unit's activations in backward: itself (usually) and consumers (sometimes).
@@ -58,19 +69,22 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
                     b = draw(st.integers(0, left))
                     held_from.append([p, b])
                     left -= b
+            if checkpointable:
+                held_from = [[p, units[p]["output_bytes"]] for p in u["inputs"] if not units[p]["output_saved"]]
+                u["held_input_bytes"] = sum(b for _, b in held_from) + (draw(st.integers(0, 50)) if held else 0)
             u["held_from"] = held_from
             # as the profiler records it: the values of its inputs whose activations its backward
             # reads (an output it saves, or a saved glue value: the producer's activations)
             u["saved_from"] = [[p, min(units[p]["output_bytes"], units[p]["act_bytes"])
                                 if units[p]["output_saved"] else units[p]["act_bytes"]]
                                for p in u["inputs"] if i in units[p]["read_by"]]
-    bw = draw(st.floats(10.0, 10000.0))
+    bw = draw(st.floats(10.0, 50.0 if checkpointable else 10000.0))
     return {
         "format": "tensorplace.profile",
         "version": 1,
         "model": "random",
         "device": "test",
-        "memory": {"parameters": draw(st.integers(0, 1000)), "optimizer_state": 0, "inputs": 0, "workspace": 0},
+        "memory": {"parameters": draw(st.integers(0, 1000 // small)), "optimizer_state": 0, "inputs": 0, "workspace": 0},
         "d2h_bandwidth": bw,
         "h2d_bandwidth": bw * draw(st.floats(0.5, 2.0)),
         "copy_engines": draw(st.sampled_from([1, 2])),
@@ -105,3 +119,17 @@ def reference_unplanned(profile: Dict[str, Any]) -> Dict[str, float]:
                 mem -= units[p]["act_bytes"]
     time = sum(u["fwd_time"] + u["bwd_time"] for u in units)
     return {"step_time": time, "peak_bytes": peak}
+
+
+def multi_unit_segments(actions: List[str], starts: List[int]) -> int:
+    """How many checkpoint segments of a plan have more than one unit: runs of consecutive
+    recomputed units, split before every unit in `starts` (docs/cost-model.md)."""
+    count, length = 0, 0
+    split = set(starts)
+    for u, a in enumerate(actions + ["retain"]):
+        if a == "recompute" and length and u not in split:
+            length += 1
+            continue
+        count += length > 1
+        length = 1 if a == "recompute" else 0
+    return count

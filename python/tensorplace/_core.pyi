@@ -13,6 +13,7 @@ class BudgetError(PlannerError):
 
 def validate_profile(profile_json: str) -> None: ...
 def profile_fingerprint(profile_json: str) -> str: ...
+def profile_graph(profile_json: str) -> str: ...
 def evaluate(
     profile_json: str,
     actions: List[str],
@@ -66,6 +67,7 @@ def plan_from_actions(
     method: str,
     settings_json: str = "{}",
     prefetch_lookahead: int = 2,
+    segment_starts: Optional[List[int]] = None,
     swap_parameters: Optional[List[int]] = None,
     swap_optimizer_state: Optional[List[int]] = None,
 ) -> str: ...

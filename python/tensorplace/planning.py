@@ -240,6 +240,7 @@ def plan_profile(
     prefetch_lookahead: int = 2,
     time_limit: float = 30.0,
     mip_gap: float = 1e-4,
+    choose_starts: bool = False,
     seed_heuristics: bool = True,
     seed_plans: Optional[Sequence[Sequence[str]]] = None,
     budget_kind: str = "allocated",
@@ -250,7 +251,9 @@ def plan_profile(
 
     Methods: "pso" (HOME; its swarm starts from the heuristics' plans unless
     `seed_heuristics` is False, and from `seed_plans`, lists of actions such as another
-    method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), the fixed plans
+    method's ``plan.actions``), "exhaustive" (every plan; up to 14 units), "exhaustive-segments"
+    (every plan and every split of its recomputed runs into checkpoint segments, which the plan's
+    ``segment_starts`` return; up to 12 units), the fixed plans
     "retain", "swap-all", "recompute-all", the recipes "checkpoint-blocks" and "sqrt", the
     heuristics "capuchin", "superneurons", "vdnn",
     "vdnn-sync" (synchronous offload), "tensile", "delta" (DELTA's runtime policy, simulated
@@ -258,8 +261,11 @@ def plan_profile(
     accumulation: ``settings["sub_batch"]``, ``settings["accumulation_steps"]``, predictions
     per full step; train it with ``tensorplace.accumulate``), and the MILPs "milp" (swap and recompute),
     "milp-swap" (AutoTM) and "milp-recompute" (Checkmate), solved by HiGHS under `time_limit`
-    seconds to a relative gap of `mip_gap` (docs/methods.md). Raises `BudgetError` (with the
-    smallest budget known to work in `args[1]`) when the budget cannot be met.
+    seconds to a relative gap of `mip_gap` (docs/methods.md); with `choose_starts` the MILP also
+    chooses where its runs of recomputed units are split into checkpoint segments (the plan's
+    ``segment_starts``; "exhaustive-segments" does too, every other method keeps the profile's
+    default starts). Raises `BudgetError` (with the smallest budget known to work in `args[1]`)
+    when the budget cannot be met.
 
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
@@ -272,6 +278,11 @@ def plan_profile(
     """
     if budget_kind not in BUDGET_KINDS:
         raise _core.PlannerError(f"budget_kind {budget_kind!r}: use one of {', '.join(BUDGET_KINDS)}")
+    if choose_starts and method not in MILP_METHODS:
+        raise _core.PlannerError(
+            f"choose_starts applies to the MILP methods ({', '.join(MILP_METHODS)}), not {method!r}; "
+            "use method='exhaustive-segments' on tiny profiles"
+        )
     text = profile_json(profile)
     if method in MILP_METHODS:
         if budget_kind != "allocated":
@@ -289,6 +300,7 @@ def plan_profile(
                     method,
                     time_limit=time_limit,
                     mip_gap=mip_gap,
+                    choose_starts=choose_starts,
                     threads=threads,
                     prefetch_lookahead=prefetch_lookahead,
                 )

@@ -13,9 +13,10 @@ use crate::exhaustive;
 use crate::methods::{heuristic_plan, HEURISTICS};
 use serde_json::json;
 
-pub const METHODS: [&str; 14] = [
+pub const METHODS: [&str; 15] = [
     "pso",
     "exhaustive",
+    "exhaustive-segments",
     "retain",
     "swap-all",
     "recompute-all",
@@ -109,6 +110,11 @@ pub fn make_plan(
             let (a, _) = exhaustive::search(&g, budget, &settings.eval)?;
             (a, json!({"eval": eval_json}), None)
         }
+        "exhaustive-segments" => {
+            let (a, s, _) = exhaustive::search_segments(&g, budget, &settings.eval)?;
+            starts = s;
+            (a, json!({"eval": eval_json}), None)
+        }
         "checkpoint-blocks" => {
             let a = recipes::checkpoint_blocks(profile).ok_or_else(|| {
                 CoreError::InvalidSetting(
@@ -164,27 +170,31 @@ pub fn check_budget(profile: &Profile, budget: u64, eval: &EvalOptions) -> Resul
     Ok(lb)
 }
 
-/// A plan from actions chosen outside the core (the MILP methods in Python): the same budget
-/// check, evaluation and refusal of infeasible results as `make_plan`.
+/// A plan from actions (and segment starts, one flag per unit) chosen outside the core (the MILP
+/// methods in Python): the same budget check, evaluation and refusal of infeasible results as
+/// `make_plan`.
 pub fn plan_from_actions(
     profile: &Profile,
     budget: u64,
     method: &str,
     method_settings: serde_json::Value,
     actions: Vec<Action>,
+    starts: &[bool],
     eval: &EvalOptions,
 ) -> Result<Plan> {
-    plan_from_actions_with_swaps(profile, budget, method, method_settings, actions, &StateSwaps::none(), eval)
+    plan_from_actions_with_swaps(profile, budget, method, method_settings, actions, starts, &StateSwaps::none(), eval)
 }
 
 /// [`plan_from_actions`] with parameters and optimizer state swapped across iterations: the
 /// bounds and refusals are then those of plans that can swap them.
+#[allow(clippy::too_many_arguments)]
 pub fn plan_from_actions_with_swaps(
     profile: &Profile,
     budget: u64,
     method: &str,
     method_settings: serde_json::Value,
     actions: Vec<Action>,
+    starts: &[bool],
     swaps: &StateSwaps,
     eval: &EvalOptions,
 ) -> Result<Plan> {
@@ -202,8 +212,10 @@ pub fn plan_from_actions_with_swaps(
             g.n
         )));
     }
-    let starts = g.block_start.clone();
-    finish(profile, &g, budget, method, method_settings, actions, swaps, &starts, None, eval, lb, None)
+    if starts.len() != g.n {
+        return Err(CoreError::InvalidPlan(format!("{} segment flags for {} units; give one per unit", starts.len(), g.n)));
+    }
+    finish(profile, &g, budget, method, method_settings, actions, swaps, starts, None, eval, lb, None)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -93,6 +93,27 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
     })
 }
 
+/// The indexes the evaluator walks (profile::Graph), as JSON text, for models of the evaluator
+/// written outside the core (the MILP): unit indexes as in the profile; `first_need` and
+/// `last_use` are the units whose backward first and last reads a unit's activations (null when
+/// none); `needs[i]` the units whose activations unit i's backward reads, largest first;
+/// `held_from` and `saved_from` as (producer, bytes) pairs, derived when the profile has none;
+/// `block_start` the default segment starts; `linger_until` >= n: never let go in the forward.
+#[pyfunction]
+fn profile_graph(profile_json: &str) -> PyResult<String> {
+    let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
+    Ok(json!({
+        "n": g.n, "constant": g.constant, "d2h": g.d2h, "h2d": g.h2d, "copy_engines": g.copy_engines,
+        "fwd_time": g.fwd_time, "bwd_time": g.bwd_time, "act": g.act, "out": g.out, "out_saved": g.out_saved,
+        "held": g.held, "held_from": g.held_from, "saved_from": g.saved_from, "block_start": g.block_start,
+        "fwd_transient": g.fwd_transient, "bwd_transient": g.bwd_transient, "grad": g.grad,
+        "inputs": g.inputs, "replay_inputs": g.replay_inputs, "replay_extra": g.replay_extra,
+        "linger": g.linger, "linger_until": g.linger_until, "last_fwd": g.last_fwd,
+        "first_need": g.first_need, "last_use": g.last_use, "needs": g.needs,
+    })
+    .to_string())
+}
+
 /// Validate a profile; raises PlannerError with what is wrong.
 #[pyfunction]
 fn validate_profile(profile_json: &str) -> PyResult<()> {
@@ -372,8 +393,8 @@ fn check_budget(profile_json: &str, budget: u64, prefetch_lookahead: usize) -> P
 /// A plan from actions chosen outside the core (the MILP methods): evaluated and refused like a
 /// searched plan (BudgetError if it does not fit). `settings_json` is stored in the plan.
 #[pyfunction]
-#[pyo3(signature = (profile_json, budget, actions, method, settings_json="{}", prefetch_lookahead=2, swap_parameters=None,
-                    swap_optimizer_state=None))]
+#[pyo3(signature = (profile_json, budget, actions, method, settings_json="{}", prefetch_lookahead=2, segment_starts=None,
+                    swap_parameters=None, swap_optimizer_state=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_from_actions(
     profile_json: &str,
@@ -382,17 +403,16 @@ fn plan_from_actions(
     method: &str,
     settings_json: &str,
     prefetch_lookahead: usize,
+    segment_starts: Option<Vec<usize>>,
     swap_parameters: Option<Vec<usize>>,
     swap_optimizer_state: Option<Vec<usize>>,
 ) -> PyResult<String> {
-    let p = parse_profile(profile_json)?;
-    let g = p.graph().map_err(to_py)?;
-    let a = parse_actions(actions, p.units.len())?;
+    let (p, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
     let swaps = parse_swaps(&g, swap_parameters, swap_optimizer_state)?;
     let settings: serde_json::Value = serde_json::from_str(settings_json)
         .map_err(|e| PlannerError::new_err(format!("settings_json is not JSON: {e}")))?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
-    let plan = run_plan_from_actions(&p, budget, method, settings, a, &swaps, &eval).map_err(to_py)?;
+    let plan = run_plan_from_actions(&p, budget, method, settings, a, &starts, &swaps, &eval).map_err(to_py)?;
     Ok(plan.to_json())
 }
 
@@ -435,6 +455,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PLAN_VERSION", crate::plan::PLAN_VERSION)?;
     m.add_function(wrap_pyfunction!(validate_profile, m)?)?;
     m.add_function(wrap_pyfunction!(profile_fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(profile_graph, m)?)?;
     m.add_function(wrap_pyfunction!(evaluate, m)?)?;
     m.add_function(wrap_pyfunction!(allocation_sequence, m)?)?;
     m.add_function(wrap_pyfunction!(lower_bound, m)?)?;

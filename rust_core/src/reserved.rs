@@ -112,7 +112,7 @@ pub fn make_plan_reserved(
     let r = reserved_bytes(&g, &actions, &g.block_start, sb, &settings.eval, &conf)?;
     if matches!(method, "pso" | "exhaustive") && r <= budget {
         let name = if actions.iter().all(|&a| a == Action::Swap) { "swap-all" } else { "recompute-all" };
-        let plan = plan_from_actions(profile, sb, name, json!({"fallback_for": method}), actions, &settings.eval)?;
+        let plan = plan_from_actions(profile, sb, name, json!({"fallback_for": method}), actions, &g.block_start, &settings.eval)?;
         tried.push((sb, r));
         let mut plan = mark(plan, budget, &conf_text, &tried, true);
         plan.predicted.reserved_bytes = Some(r);

@@ -124,3 +124,38 @@ fn the_polish_retains_a_unit_whose_memory_takes_several_recomputations() {
     assert!(r.score.feasible);
     assert!((r.score.time - best_score.time).abs() < 1e-9, "polished {:?} {:?}, optimum {best:?} {best_score:?}", r.actions, r.score);
 }
+
+#[test]
+fn exhaustive_over_segment_starts_is_never_worse_and_returns_only_splits_of_runs() {
+    // A chain whose units save more than their output: a segment split at unit u holds only
+    // u's input's output until u's backward, instead of replaying the run in one go (its whole
+    // activations at once), so at tight budgets the best starts are not the defaults (none here).
+    let f = [1.0, 0.5, 2.0, 0.3, 1.5, 0.8];
+    let a = [40, 10, 35, 25, 5, 30];
+    let mut p = chain(&f, &a, 10, 0.5);
+    for u in p.units.iter_mut() {
+        u.output_bytes = u.act_bytes / 4;
+        u.replay_transient_bytes = Some(15);
+    }
+    let g = p.graph().unwrap();
+    let opts = EvalOptions::default();
+    let unplanned = tensorplace_core::peak::unplanned_peak(&g);
+    let (lb, _) = tensorplace_core::peak::lower_bound(&g);
+    let mut strictly_better = 0;
+    for budget in (0..=10).map(|k| lb + (unplanned - lb) * k / 10) {
+        let (plain, plain_score) = exhaustive::search(&g, budget, &opts).unwrap();
+        let (best, starts, s) = exhaustive::search_segments(&g, budget, &opts).unwrap();
+        assert!(!plain_score.better_than(&s), "budget {budget}: {plain:?} {plain_score:?} beats {best:?} {starts:?} {s:?}");
+        for u in 0..g.n {
+            if starts[u] {
+                assert!(u > 0 && best[u] == Action::Recompute && best[u - 1] == Action::Recompute, "{best:?} {starts:?}");
+            }
+        }
+        let again = tensorplace_core::evaluator::evaluate_segments(&g, &best, &starts, budget, &opts, &mut Scratch::new(g.n), false);
+        assert_eq!(again.score(), s);
+        strictly_better += s.better_than(&plain_score) as usize;
+    }
+    assert!(strictly_better > 0, "some budget needs a split the default starts do not have");
+    let big = chain(&[1.0; 13], &[1; 13], 1, 1.0).graph().unwrap();
+    assert!(matches!(exhaustive::search_segments(&big, 100, &opts), Err(CoreError::InvalidSetting(_))));
+}

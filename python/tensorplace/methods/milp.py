@@ -10,8 +10,8 @@ Methods: ``milp`` (swap and recompute), ``milp-swap`` (AutoTM: swap only) and
 ``milp-recompute`` (Checkmate: recompute only).
 
 Stages are numbered s = 0 .. 2n-1: forward F0 .. F(n-1) are 0 .. n-1, backward B(i) is 2n-1-i.
-For a unit u that owns activations the model has binaries r_u, w_u, c_u (retain, swap,
-recompute; one of them is 1), and for a swap:
+For a unit u the model has binaries r_u, w_u, c_u (retain, swap, recompute; one of them is 1;
+swap only for a unit with activations and a backward reader), and for a swap:
 
 - z[u, b]: the swap-out has left the device when stage b allocates (b in lf+1 .. lf+1+K, the
   copy is queued after u's last forward reader lf); the copy's work is split over the stages
@@ -22,19 +22,30 @@ recompute; one of them is 1), and for a swap:
   at fn itself is a stall;
 - write-once: one swap-out and one prefetch per unit, b <= p.
 
+Checkpoint segments: a binary x[s, e, v] per candidate segment (units s..e recomputed as one
+segment; with the default starts, the runs between two starts, a neighbour in the same run not
+recomputed) and behaviour v: what the segment's replays do depends on a few units outside it
+(a later reader recomputed in another segment holds what it reads instead of having it
+replayed; an earlier unit recomputed in another segment whose saved value a unit of the segment
+reads makes that unit's backward replay it), so each assignment of those that changes the
+segment's behaviour is a column, allowed only where the assignment holds. Each column's replay
+time, memory per stage (held inputs, held saved values, replayed activations) and transient at
+its replays come from simulating the evaluator's rules for that segment (_simulate_segment);
+c_u is the sum of the columns covering u.
+
 One copy stream: at every stage, the copy work placed in it is at most the stage's compute time
-plus its recomputation plus its stall sigma_s. Recomputed units are replayed at their first
-backward reader; an input a replay needs that is not resident then is replayed (or prefetched
-synchronously) in a one-level chain. The objective is the step time: compute + recomputation +
-stalls.
+plus its recomputation plus its stall sigma_s. A swapped input a replay needs is on the device
+by then (its copy's remaining work is a stall) or prefetched then (a stall). The objective is
+the step time: compute + recomputation + stalls.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -48,7 +59,7 @@ class MilpError(_core.PlannerError):
 
 
 # ------------------------------------------------------------------------------------------------
-# Graph indexes (the same as rust_core/src/profile.rs Graph, written from docs/formats.md)
+# Graph indexes (rust_core/src/profile.rs Graph, from _core.profile_graph), with stage numbers
 # ------------------------------------------------------------------------------------------------
 
 
@@ -64,6 +75,9 @@ class _Graph:
     out: List[int]
     out_saved: List[bool]
     held: List[int]
+    held_from: List[List[Tuple[int, int]]]  # (producer, bytes): unsaved values held for a replay
+    saved_from: List[List[Tuple[int, int]]]  # (producer, bytes): saved values of inputs
+    block_start: List[bool]  # default checkpoint segment starts
     fwd_tr: List[int]
     bwd_tr: List[int]
     grad: List[int]
@@ -75,68 +89,232 @@ class _Graph:
     last_fwd: List[int]
     first_need: List[Optional[int]]  # stage index of the first backward reader
     last_use: List[Optional[int]]  # stage index of the last backward reader
+    needs: List[List[int]]  # per unit i: the units whose activations B(i) reads, largest first
+    readers: List[List[int]]  # per unit: the units whose backward reads its activations
 
 
-def _graph(profile: Dict[str, Any]) -> _Graph:
-    units = profile["units"]
-    n = len(units)
+def _graph(profile_text: str) -> _Graph:
+    d = json.loads(_core.profile_graph(profile_text))
+    n = int(d["n"])
     S = 2 * n
-    inputs = [sorted(set(int(p) for p in u.get("inputs", []))) for u in units]
-    out_saved = [bool(u.get("output_saved", True)) for u in units]
-    replay_inputs = []
-    for u, ins in zip(units, inputs):
-        if u.get("saved_inputs") is not None:
-            replay_inputs.append(sorted(set(int(p) for p in u["saved_inputs"])))
-        else:
-            replay_inputs.append([p for p in ins if out_saved[p]])
-    last_fwd = list(range(n))
-    for i, ins in enumerate(inputs):
-        for p in ins:
-            last_fwd[p] = max(last_fwd[p], i)
-    first_need: List[Optional[int]] = []
-    last_use: List[Optional[int]] = []
-    for u in units:
-        rb = sorted(set(int(r) for r in u.get("read_by", [])))
-        first_need.append(S - 1 - rb[-1] if rb else None)
-        last_use.append(S - 1 - rb[0] if rb else None)
-    linger = [0] * n
-    linger_until = list(last_fwd)
-    for i, u in enumerate(units):
-        b = int(u.get("lingering_bytes") or 0)
-        t = int(u.get("lingering_until") or 0)
-        if b > 0 and t > last_fwd[i]:
-            linger[i] = b
-            linger_until[i] = t if t < n else S - 1  # the evaluator never lets go of them then
-    replay_extra = []
-    for u in units:
-        if u.get("replay_transient_bytes") is not None:
-            replay_extra.append(int(u["replay_transient_bytes"]))
-        else:
-            replay_extra.append((0 if u.get("output_saved", True) else int(u.get("output_bytes", 0))) + int(u.get("fwd_transient_bytes", 0)))
-    g = lambda key: [int(u.get(key, 0)) for u in units]  # noqa: E731
+    readers: List[List[int]] = [[] for _ in range(n)]
+    for i, us in enumerate(d["needs"]):
+        for u in us:
+            readers[u].append(i)
+    linger_until = [t if t < n else S - 1 for t in d["linger_until"]]  # S - 1: never let go in the forward
     return _Graph(
         n=n,
-        constant=int(sum(profile.get("memory", {}).values())),
-        d2h=float(profile["d2h_bandwidth"]),
-        h2d=float(profile["h2d_bandwidth"]),
-        fwd=[float(u["fwd_time"]) for u in units],
-        bwd=[float(u["bwd_time"]) for u in units],
-        act=g("act_bytes"),
-        out=g("output_bytes"),
-        out_saved=out_saved,
-        held=g("held_input_bytes"),
-        fwd_tr=g("fwd_transient_bytes"),
-        bwd_tr=g("bwd_transient_bytes"),
-        grad=g("grad_bytes"),
-        inputs=inputs,
-        replay_inputs=replay_inputs,
-        replay_extra=replay_extra,
-        linger=linger,
+        constant=int(d["constant"]),
+        d2h=float(d["d2h"]),
+        h2d=float(d["h2d"]),
+        fwd=[float(t) for t in d["fwd_time"]],
+        bwd=[float(t) for t in d["bwd_time"]],
+        act=[int(b) for b in d["act"]],
+        out=[int(b) for b in d["out"]],
+        out_saved=[bool(v) for v in d["out_saved"]],
+        held=[int(b) for b in d["held"]],
+        held_from=[[(int(p), int(b)) for p, b in hf] for hf in d["held_from"]],
+        saved_from=[[(int(p), int(b)) for p, b in sf] for sf in d["saved_from"]],
+        block_start=[bool(v) for v in d["block_start"]],
+        fwd_tr=[int(b) for b in d["fwd_transient"]],
+        bwd_tr=[int(b) for b in d["bwd_transient"]],
+        grad=[int(b) for b in d["grad"]],
+        inputs=[list(map(int, v)) for v in d["inputs"]],
+        replay_inputs=[list(map(int, v)) for v in d["replay_inputs"]],
+        replay_extra=[int(b) for b in d["replay_extra"]],
+        linger=[int(b) for b in d["linger"]],
         linger_until=linger_until,
-        last_fwd=last_fwd,
-        first_need=first_need,
-        last_use=last_use,
+        last_fwd=[int(v) for v in d["last_fwd"]],
+        first_need=[None if r is None else S - 1 - int(r) for r in d["first_need"]],
+        last_use=[None if r is None else S - 1 - int(r) for r in d["last_use"]],
+        needs=[list(map(int, v)) for v in d["needs"]],
+        readers=readers,
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint segments: what one segment does in the evaluator, given which units outside it are
+# recomputed (docs/cost-model.md, "Checkpoint segments"; rust_core/src/evaluator.rs)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Segment:
+    """Units s..e recomputed as one checkpoint segment, under one assignment of the outside units
+    its replays depend on (`cond`: unit -> recomputed)."""
+
+    s: int
+    e: int
+    cond: Dict[int, bool]
+    replay_at: Dict[int, int]  # unit -> stage of its replay (units never replayed are absent)
+    time: Dict[int, float]  # stage -> replay time in it
+    steady: np.ndarray  # per stage: held bytes, held saved values, replayed activations (the most at any point)
+    extra: Dict[int, float]  # stage -> what its replays add on top of `steady` at their peak
+    swap_inputs: List[Tuple[int, int, int, bool]]  # (unit, outside input, stage, let go): resident if swapped
+
+
+def _simulate_segment(g: _Graph, s: int, e: int, rec: Set[int]) -> _Segment:
+    """The evaluator's rules for a recomputed run s..e split from its neighbours, where `rec` are
+    the units outside it that are recomputed (in other segments)."""
+    n, S = g.n, 2 * g.n
+    act = g.act
+    # Held bytes, once per segment and producer (a producer inside the segment is regenerated).
+    held_b: Dict[int, int] = {}
+    held_saved: Dict[int, int] = {}
+    feeds: Set[int] = set()
+    charged: Set[int] = set()
+    for u in range(s, e + 1):
+        h = g.held[u]
+        for p, b in g.held_from[u]:
+            if p >= s:
+                h -= b
+                feeds.add(p)
+            elif p in charged:
+                h -= b
+            else:
+                charged.add(p)
+        held_b[u] = h
+        hs = 0
+        for p, b in g.saved_from[u]:
+            if p < s and p in rec and p not in charged:
+                charged.add(p)
+                hs += b
+        held_saved[u] = hs
+    steady = np.zeros(S)
+    # Forward: held from the unit's forward on.
+    fwd_held = np.zeros(n)
+    for u in range(s, e + 1):
+        fwd_held[u] += held_b[u] + held_saved[u]
+    steady[:n] = np.cumsum(fwd_held)
+    # Backward. A unit without activations that feeds no replay lets go of its held inputs when
+    # the forward ends.
+    held_now = {u: held_b[u] for u in range(s, e + 1) if act[u] > 0 or u in feeds}
+    saved_now = dict(held_saved)
+    state = float(sum(held_now.values()) + sum(saved_now.values()))
+    resident: Set[int] = set()
+    replay_at: Dict[int, int] = {}
+    time: Dict[int, float] = {}
+    peaks: Dict[int, float] = {}
+    swap_inputs: List[Tuple[int, int, int, bool]] = []
+    k = n
+    high = state
+
+    def replay(u: int) -> None:
+        nonlocal state, high
+        kept = 0
+        for p in g.replay_inputs[u]:
+            if p >= s:
+                if p in replay_at and p not in resident:
+                    kept += act[p]
+                elif act[p] > 0 and p not in resident:
+                    replay(p)
+            elif act[p] > 0 and g.last_use[p] is not None:
+                # Outside the segment: resident (retained or swapped, until its last reader), held
+                # (recomputed), or, once its last reader has run, made resident for this replay
+                # only (counted whatever the action: exact unless it is recomputed and not yet
+                # replayed, when it is held).
+                gone = g.last_use[p] < k
+                if gone:
+                    kept += act[p]
+                swap_inputs.append((u, p, k, gone))
+        regen = 0
+        for p, b in g.held_from[u]:
+            if p >= s:
+                if p not in replay_at:
+                    replay(p)
+                regen += b
+        peaks[k] = max(peaks.get(k, 0.0), state + act[u] + g.replay_extra[u] + regen + kept)
+        replay_at[u] = k
+        time[k] = time.get(k, 0.0) + g.fwd[u]
+        state += act[u] - held_now.pop(u, 0)
+        resident.add(u)
+        if g.last_use[u] is None or g.last_use[u] < k:
+            resident.discard(u)
+            state -= act[u]
+        high = max(high, state)
+
+    def ensure(u: int) -> None:
+        if u not in resident:
+            replay(u)
+
+    for k in range(n, S):
+        i = S - 1 - k
+        high = state
+        inside = s <= i <= e
+        for u in g.needs[i]:
+            if inside:
+                if u >= s and u <= e:
+                    ensure(u)
+                elif u < s and u in rec and i not in replay_at:
+                    replay(i)  # B(i) reads a saved value of another segment's unit: its own replay hands it back
+            elif s <= u <= e and (i < s or i not in rec):
+                ensure(u)
+        steady[k] = high
+        for u in [u for u in resident if g.last_use[u] == k]:
+            resident.discard(u)
+            state -= act[u]
+        if inside:
+            state -= held_now.pop(i, 0) + saved_now.pop(i, 0)
+    extra = {k: p - steady[k] for k, p in peaks.items() if p > steady[k]}
+    return _Segment(s, e, {}, replay_at, time, steady, extra, swap_inputs)
+
+
+def _segment_key(seg: _Segment) -> Any:
+    return (tuple(sorted(seg.replay_at.items())), tuple(sorted(seg.time.items())), seg.steady.tobytes(),
+            tuple(sorted(seg.extra.items())), tuple(seg.swap_inputs))
+
+
+def _segment_variants(g: _Graph, s: int, e: int, fixed: Dict[int, bool], can_rec: Sequence[bool],
+                      max_vars: int) -> Optional[Tuple[List[_Segment], List[Tuple[int, int, int]]]]:
+    """The segment s..e under every assignment of the outside units its replays depend on
+    (readers after it that may be recomputed in another segment, which then hold what they read
+    instead of having it replayed; units before it whose saved values its units read, whose
+    recomputation makes such a unit's backward replay it), as a partition into cubes (conditions
+    on some of those units) of identical behaviour. `fixed`: units whose action is known
+    (maximality of runs). None if more than `max_vars` units matter.
+
+    Also returns the saved values it holds when a unit before it that matters to nothing else is
+    recomputed: (producer, holding unit, bytes), held from that unit's forward to the end of its
+    backward (added to the segment's memory by a product of binaries; where the producer's
+    unsaved values are held as well the model counts both: the evaluator holds one of them)."""
+    dep: Set[int] = set()
+    for u in range(s, e + 1):
+        dep.update(i for i in g.readers[u] if i > e)
+        dep.update(p for p in g.needs[u] if p < s)
+    base = {p for p, v in fixed.items() if v}
+    free = sorted(p for p in dep if p not in fixed and can_rec[p])
+    if len(free) > max_vars:
+        return None
+    products: List[Tuple[int, int, int]] = []
+    seen: Set[int] = set()
+    for u in range(s, e + 1):
+        for p, _ in g.held_from[u]:
+            seen.add(p)
+        for p, b in g.saved_from[u]:
+            if p < s and p not in seen and p not in dep and p not in fixed and can_rec[p] and b > 0:
+                products.append((p, u, b))
+            seen.add(p)
+    sims: Dict[Tuple[bool, ...], _Segment] = {}
+    keys: Dict[Tuple[bool, ...], Any] = {}
+    for bits in itertools.product((False, True), repeat=len(free)):
+        seg = _simulate_segment(g, s, e, base | {p for p, b in zip(free, bits) if b})
+        sims[bits] = seg
+        keys[bits] = _segment_key(seg)
+    out: List[_Segment] = []
+
+    def split(prefix: Tuple[bool, ...]) -> None:
+        j = len(prefix)
+        group = [b for b in keys if b[:j] == prefix]
+        if all(keys[b] == keys[group[0]] for b in group):
+            seg = sims[group[0]]
+            seg.cond = {p: v for p, v in zip(free, prefix)}
+            out.append(seg)
+            return
+        split(prefix + (False,))
+        split(prefix + (True,))
+
+    split(())
+    return out, products
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,6 +342,14 @@ class _Model:
     def row(self, coefs: Dict[int, float], lo: float, hi: float) -> None:
         self.rows.append(({k: v for k, v in coefs.items() if v != 0.0}, lo, hi))
 
+    @classmethod
+    def from_parts(cls, m: "_Model", lo: List[float], hi: List[float]) -> "_Model":
+        """`m` with other column bounds (the rows are shared)."""
+        out = cls()
+        out.cost, out.integer, out.rows = m.cost, m.integer, m.rows
+        out.lo, out.hi = lo, hi
+        return out
+
 
 def _add(d: Dict[int, float], col: int, v: float) -> None:
     d[col] = d.get(col, 0.0) + v
@@ -176,31 +362,50 @@ class _Unit:
     c: Optional[int]
     z: Dict[int, int] = field(default_factory=dict)  # release boundary b -> column
     y: Dict[int, int] = field(default_factory=dict)  # prefetch issue stage p -> column
+    work_in: Dict[int, int] = field(default_factory=dict)  # stage -> prefetch copy work in it
 
 
-def _resident_terms(g: _Graph, U: Dict[int, _Unit], p: int, k: int) -> Dict[int, float]:
-    """Linear expression: unit p's activations are resident at backward stage k (before any
-    replay chain touches them)."""
+def _swap_resident_terms(g: _Graph, U: Dict[int, _Unit], p: int, k: int) -> Dict[int, float]:
+    """Linear expression: swapped unit p's activations are on the device at backward stage k (not
+    yet released, prefetched, or after their first need)."""
     e: Dict[int, float] = {}
     v = U[p]
     lu = g.last_use[p]
     fn = g.first_need[p]
-    assert lu is not None and fn is not None
-    if k <= lu:
-        _add(e, v.r, 1.0)
-    if v.c is not None and fn <= k <= lu:
-        _add(e, v.c, 1.0)
-    if v.w is not None:
-        for b, col in v.z.items():
-            if k < b and k > g.last_fwd[p]:
+    assert lu is not None and fn is not None and v.w is not None
+    for b, col in v.z.items():
+        if k < b and k > g.last_fwd[p]:
+            _add(e, col, 1.0)
+    if k <= fn:
+        for q, col in v.y.items():
+            if q <= k:
                 _add(e, col, 1.0)
-        if k <= fn:
-            for q, col in v.y.items():
-                if q <= k:
-                    _add(e, col, 1.0)
-        elif k <= lu:
-            _add(e, v.w, 1.0)
+    elif k <= lu:
+        _add(e, v.w, 1.0)
     return e
+
+
+@dataclass
+class _Segments:
+    """The segment columns of a model: column -> segment, and per unit the columns covering it."""
+
+    cols: Dict[int, _Segment] = field(default_factory=dict)
+    covering: Dict[int, List[int]] = field(default_factory=dict)
+    skipped: int = 0  # intervals left out (more outside units matter than max_vars)
+
+
+def _intervals(g: _Graph, choose_starts: bool, max_segment: Optional[int]) -> List[Tuple[int, int]]:
+    """Candidate segments [s, e]: with the default starts, the runs between two starts (at most
+    `max_segment` units); choosing starts, every interval of at most `max_segment` units."""
+    n = g.n
+    L = n if max_segment is None else max_segment
+    out = []
+    for s in range(n):
+        for e in range(s, min(n, s + L)):
+            if e > s and not choose_starts and g.block_start[e]:
+                break
+            out.append((s, e))
+    return out
 
 
 def build(
@@ -210,8 +415,12 @@ def build(
     allow_recompute: bool,
     lookahead: int,
     swap_window: int,
-) -> Tuple[_Model, Dict[int, _Unit], Dict[str, Any]]:
-    """The MILP of `g` under `budget` bytes. Returns the model, the per-unit columns and sizes."""
+    choose_starts: bool = False,
+    max_segment: Optional[int] = 16,
+    max_vars: int = 8,
+) -> Tuple[_Model, Dict[int, _Unit], _Segments, Dict[str, Any]]:
+    """The MILP of `g` under `budget` bytes. Returns the model, the per-unit columns, the segment
+    columns and sizes."""
     n, S = g.n, 2 * g.n
     m = _Model()
     dur = np.array(g.fwd + g.bwd[::-1], dtype=float)
@@ -242,19 +451,17 @@ def build(
     cap: List[Dict[int, float]] = [{sigma[s]: -1.0} for s in range(S)]  # work - extra <= dur
     own: List[Dict[int, float]] = [{sigma[s]: -1.0} for s in range(S)]  # own-need work <= sigma
     U: Dict[int, _Unit] = {}
+    prefetch_rows: Dict[int, Dict[int, float]] = {}
     counts = {"swap_candidates": 0, "recompute_candidates": 0}
     for u in range(n):
-        if g.act[u] == 0 or g.first_need[u] is None:
-            continue
         lf, fn, lu = g.last_fwd[u], g.first_need[u], g.last_use[u]
-        assert fn is not None and lu is not None
         act = float(g.act[u])
+        can_swap = allow_swap and g.act[u] > 0 and fn is not None and lf + 1 <= min(lf + 1 + swap_window, fn)
+        if not can_swap and not allow_recompute:
+            continue
         r = m.col(integer=True)
-        p_lo, p_hi = max(fn - lookahead, n), fn
-        b_lo, b_hi = lf + 1, min(lf + 1 + swap_window, fn)
-        can_swap = allow_swap and b_lo <= b_hi
         w = m.col(integer=True) if can_swap else None
-        c = m.col(integer=True, cost=g.fwd[u]) if allow_recompute else None
+        c = m.col(integer=True) if allow_recompute else None
         U[u] = _Unit(r=r, w=w, c=c)
         one = {r: 1.0}
         if w is not None:
@@ -263,18 +470,19 @@ def build(
             one[c] = 1.0
         m.row(one, 1.0, 1.0)
         lin = lambda s: float(g.linger[u]) if s <= g.linger_until[u] else 0.0  # noqa: E731
-        # Retain: resident after the forward until its last backward reader.
-        memc(r)[lf + 1 : lu + 1] += act
+        # Retain: resident after the forward until its last backward reader (to the end if none).
+        memc(r)[lf + 1 : (S - 1 if lu is None else lu) + 1] += act
         if c is not None:
+            # Recompute: what the forward still references after the unit is dropped; the rest
+            # (held inputs, the replay) is the segment's.
             counts["recompute_candidates"] += 1
             cm = memc(c)
             for s in range(lf + 1, S):
                 cm[s] += lin(s)
-            cm[fn : lu + 1] += act - np.array([lin(s) for s in range(fn, lu + 1)])
-            cm[u : fn + 1] += g.held[u]
-            cm[fn] += g.replay_extra[u]
-            _add(cap[fn], c, -g.fwd[u])  # the copy stream runs during the replay too
         if w is not None:
+            assert fn is not None and lu is not None
+            p_lo, p_hi = max(fn - lookahead, n), fn
+            b_lo, b_hi = lf + 1, min(lf + 1 + swap_window, fn)
             counts["swap_candidates"] += 1
             d, h = act / g.d2h, act / g.h2d
             U[u].z = {b: m.col(integer=True) for b in range(b_lo, b_hi + 1)}
@@ -290,7 +498,7 @@ def build(
             wm = memc(w)
             for s in range(lf + 1, S):
                 wm[s] += lin(s)
-            wm[fn + 1 : lu + 1] += act - np.array([lin(s) for s in range(fn + 1, lu + 1)])
+            wm[fn + 1 : lu + 1] += act
             # Swap-out: on the device at stage k while not yet released (b > k); its copy works
             # in the stages before b, and at stage b itself only as a stall (the evaluator waits
             # for a queued swap-out when the stage does not fit).
@@ -318,7 +526,7 @@ def build(
             for k in range(p_lo, p_hi + 1):
                 for p, col in U[u].y.items():
                     if p <= k:
-                        memc(col)[k] += act - lin(k)
+                        memc(col)[k] += act
                 gk = m.col(lo=0.0, hi=h)
                 _add(cap[k], gk, 1.0)
                 if k == fn:
@@ -329,58 +537,89 @@ def build(
                         row[col] = -h
                 m.row(row, -np.inf, 0.0)
                 work_in[gk] = 1.0
-            m.row({**work_in, w: -h}, 0.0, 0.0)
-    # Replay chains: an input a replay needs that is not resident is replayed (or prefetched)
-    # first, one level deep.
-    chains = 0
-    for u, v in U.items():
-        if v.c is None:
-            continue
-        k = g.first_need[u]
-        assert k is not None
-        for p in g.replay_inputs[u]:
-            if g.act[p] == 0 or p not in U:
+                U[u].work_in[k] = gk
+            prefetch_rows[u] = {**work_in, w: -h}  # = 0, or >= 0 when a replay prefetched it before (below)
+    # Checkpoint segments: a column per candidate segment and behaviour (_segment_variants), the
+    # units' recompute binaries the sum of the columns covering them.
+    segs = _Segments()
+    R: Dict[int, int] = {}  # stage -> the largest replay transient of a segment in it
+    miss: Dict[Tuple[int, int, int, bool], List[int]] = {}
+    if allow_recompute:
+        can_rec = [u in U and U[u].c is not None for u in range(n)]
+        for s, e in _intervals(g, choose_starts, max_segment):
+            fixed: Dict[int, bool] = {}
+            if not choose_starts:  # a run is split only at a default start
+                if s > 0 and not g.block_start[s]:
+                    fixed[s - 1] = False
+                if e + 1 < n and not g.block_start[e + 1]:
+                    fixed[e + 1] = False
+            found = _segment_variants(g, s, e, fixed, can_rec, max_vars)
+            if found is None:
+                segs.skipped += 1
                 continue
-            res = _resident_terms(g, U, p, k)
-            vp = U[p]
-            lu_p, fn_p = g.last_use[p], g.first_need[p]
-            assert lu_p is not None and fn_p is not None
-            stays = range(k, max(k, fn_p) + 1) if lu_p >= k else range(k, k + 1)
-            # missR >= c_u + (r_p + c_p) - 1 - resident_{retain, recompute}
-            missR = m.col(cost=g.fwd[p], lo=0.0, hi=1.0)
-            row = {missR: 1.0}
-            _add(row, v.c, -1.0)
-            _add(row, vp.r, -1.0)
-            if vp.c is not None:
-                _add(row, vp.c, -1.0)
-            for col, val in res.items():
-                if col == vp.r or col == vp.c:
-                    _add(row, col, val)
-            m.row(row, -1.0, np.inf)
-            _add(cap[k], missR, -g.fwd[p])
-            mm = memc(missR)
-            for s in stays:
-                mm[s] += g.act[p]
-            mm[k] += g.replay_extra[p]
-            # one level only: the chained replay's own inputs must be resident
-            for q in g.replay_inputs[p]:
-                if g.act[q] == 0 or q not in U:
-                    continue
-                rq = _resident_terms(g, U, q, k)
-                m.row({missR: 1.0, **{col: -val for col, val in rq.items()}}, -np.inf, 0.0)
-            chains += 1
-            if vp.w is not None:
-                missS = m.col(cost=g.act[p] / g.h2d, lo=0.0, hi=1.0)
-                row = {missS: 1.0}
-                _add(row, v.c, -1.0)
-                _add(row, vp.w, -1.0)
-                for col, val in res.items():
-                    if col != vp.r and col != vp.c:
-                        _add(row, col, val)
-                m.row(row, -1.0, np.inf)
-                ms = memc(missS)
-                for s in stays:
-                    ms[s] += g.act[p]
+            variants, products = found
+            for seg in variants:
+                x = m.col(integer=True, cost=sum(seg.time.values()))
+                segs.cols[x] = seg
+                for u in range(s, e + 1):
+                    segs.covering.setdefault(u, []).append(x)
+                for p, v in {**fixed, **seg.cond}.items():
+                    cp = U[p].c if p in U else None
+                    if cp is None:
+                        continue
+                    m.row({x: 1.0, cp: -1.0} if v else {x: 1.0, cp: 1.0}, -np.inf, 0.0 if v else 1.0)
+                memc(x)[:] += seg.steady
+                for k, t in seg.time.items():
+                    _add(cap[k], x, -t)  # the copy stream runs during the replays too
+                for k, b in seg.extra.items():
+                    if k not in R:
+                        R[k] = m.col(lo=0.0, hi=np.inf)
+                    m.row({R[k]: 1.0, x: -b / mu}, 0.0, np.inf)
+                for u, p, k, gone in seg.swap_inputs:
+                    if p in U and U[p].w is not None:
+                        miss.setdefault((u, p, k, gone), []).append(x)
+                for p, u, b in products:
+                    cp = U[p].c
+                    assert cp is not None
+                    hp = m.col(lo=0.0, hi=1.0)
+                    m.row({hp: 1.0, x: -1.0, cp: -1.0}, -1.0, np.inf)
+                    memc(hp)[u : S - u] += b
+        for u, v in U.items():
+            assert v.c is not None
+            m.row({v.c: 1.0, **{x: -1.0 for x in segs.covering.get(u, [])}}, 0.0, 0.0)
+    # A swapped input that a replay needs and that is not on the device is prefetched then (a
+    # stall; its bytes stay until its last reader, or leave after the replay when that has run).
+    # One whose prefetch was issued before has to have arrived: what its copy still has to do
+    # from the replay's stage on is a stall there. One prefetched by a replay before its own
+    # prefetch stays on the device: that prefetch need not copy.
+    synced: Dict[int, List[int]] = {}
+    for (u, p, k, gone), xs in miss.items():
+        vp = U[p]
+        assert vp.w is not None
+        fn_p, lu_p = g.first_need[p], g.last_use[p]
+        assert fn_p is not None and lu_p is not None
+        ms = m.col(cost=g.act[p] / g.h2d, lo=0.0, hi=1.0)
+        row = {ms: 1.0, vp.w: -1.0, **{x: -1.0 for x in xs}}
+        if not gone:
+            for col, val in _swap_resident_terms(g, U, p, k).items():
+                _add(row, col, val)
+            memc(ms)[k : max(k, fn_p) + 1] += g.act[p]
+            if k < min(vp.work_in, default=k):
+                synced.setdefault(p, []).append(ms)
+            late = {col: -1.0 for j, col in vp.work_in.items() if k <= j}
+            if late and k < fn_p:
+                h = g.act[p] / g.h2d
+                t = m.col(lo=0.0, hi=h)
+                m.row({t: 1.0, **late, **{x: -h for x in xs}}, -h, np.inf)
+                _add(own[k], t, 1.0)
+        m.row(row, -1.0, np.inf)
+    for p, row in prefetch_rows.items():
+        h = g.act[p] / g.h2d
+        if p in synced:
+            m.row(row, -np.inf, 0.0)
+            m.row({**row, **{ms: h for ms in synced[p]}}, 0.0, np.inf)
+        else:
+            m.row(row, 0.0, 0.0)
     # Copy stream capacity per stage, and stalls for a prefetch still copying at its need.
     for s in range(S):
         m.row(cap[s], -np.inf, float(dur[s]))
@@ -389,6 +628,8 @@ def build(
     # Memory per stage, written as differences between consecutive stages (sparse):
     # M_s - M_{s-1} - sum_j (a_js - a_j,s-1) x_j = base_s - base_{s-1}, M_s <= budget.
     M = [m.col(lo=-np.inf, hi=float(budget) / mu) for _ in range(S)]
+    for k, col in R.items():
+        m.row({M[k]: 1.0, col: 1.0}, -np.inf, float(budget) / mu)
     # The evaluator issues a prefetch at the first stage of its window where it fits: a later
     # issue stage p is chosen only if it did not fit at every earlier stage q of the window
     # (memory at q plus its bytes over the budget).
@@ -416,8 +657,53 @@ def build(
         for j in nz:
             _add(row, int(cols[j]), -float(dA[j, s]))
         m.row(row, float(dbase[s]), float(dbase[s]))
-    info = {"columns": len(m.cost), "rows": len(m.rows), "chains": chains, "time_unit": tu, **counts}
-    return m, U, info
+    info = {"columns": len(m.cost), "rows": len(m.rows), "segments": len(segs.cols), "segments_skipped": segs.skipped,
+            "time_unit": tu, "memory_unit": mu, "stage_memory": M, "transient": R, **counts}
+    return m, U, segs, info
+
+
+def _plan_columns(g: _Graph, U: Dict[int, _Unit], segs: _Segments, actions: Sequence[str], starts: Sequence[bool]) -> Optional[Dict[int, float]]:
+    """The values of the action binaries and segment columns for a plan (`starts`: a flag per
+    unit), or None if the model cannot express it (an action it does not have, or a segment it
+    left out)."""
+    n = g.n
+    fixed: Dict[int, float] = {}
+    for u in range(n):
+        v = U.get(u)
+        if v is None:
+            if actions[u] != "retain":
+                return None
+            continue
+        for col, a in ((v.r, "retain"), (v.w, "swap"), (v.c, "recompute")):
+            if col is not None:
+                fixed[col] = float(actions[u] == a)
+            elif actions[u] == a:
+                return None
+    rec = {u for u in range(n) if actions[u] == "recompute"}
+    runs: List[List[int]] = []
+    for u in sorted(rec):
+        if runs and runs[-1][1] == u - 1 and not starts[u]:
+            runs[-1][1] = u
+        else:
+            runs.append([u, u])
+    by_interval: Dict[Tuple[int, int], List[int]] = {}
+    for col, seg in segs.cols.items():
+        by_interval.setdefault((seg.s, seg.e), []).append(col)
+        fixed[col] = 0.0
+    for s, e in runs:
+        match = [col for col in by_interval.get((s, e), []) if all((p in rec) == v for p, v in segs.cols[col].cond.items())]
+        if len(match) != 1:
+            return None
+        fixed[match[0]] = 1.0
+    return fixed
+
+
+def _completion(m: _Model, fixed: Dict[int, float]) -> Tuple[Optional[np.ndarray], Dict[str, Any]]:
+    """The best solution of the model with the columns in `fixed` fixed (an LP)."""
+    lo, hi = list(m.lo), list(m.hi)
+    for col, v in fixed.items():
+        lo[col] = hi[col] = v
+    return _solve(_Model.from_parts(m, lo, hi), 60.0, 0.0, 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,7 +719,8 @@ def _gap(obj: float, bound: float) -> float:
     return 0.0 if diff <= 1e-12 * max(1.0, abs(obj)) else diff / max(abs(obj), 1e-12)
 
 
-def _solve(m: _Model, time_limit: float, mip_gap: float, threads: int) -> Tuple[Optional[np.ndarray], Dict[str, Any]]:
+def _solve(m: _Model, time_limit: float, mip_gap: float, threads: int,
+           start: Optional[np.ndarray] = None) -> Tuple[Optional[np.ndarray], Dict[str, Any]]:
     try:
         import highspy
     except ImportError as e:  # pragma: no cover - highspy is a dependency
@@ -464,15 +751,17 @@ def _solve(m: _Model, time_limit: float, mip_gap: float, threads: int) -> Tuple[
     r_a, c_a, v_a = np.array(ri, dtype=np.int32), np.array(ci, dtype=np.int32), np.array(vv, dtype=float)
     order = np.lexsort((r_a, c_a))
     r_a, c_a, v_a = r_a[order], c_a[order], v_a[order]
-    start = np.searchsorted(c_a, np.arange(ncol + 1)).astype(np.int32)
+    col_start = np.searchsorted(c_a, np.arange(ncol + 1)).astype(np.int32)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = start
+    lp.a_matrix_.start_ = col_start
     lp.a_matrix_.index_ = r_a
     lp.a_matrix_.value_ = v_a
     lp.a_matrix_.num_col_ = ncol
     lp.a_matrix_.num_row_ = len(m.rows)
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in m.integer]
     h.passModel(lp)
+    if start is not None:
+        h.setSolution(ncol, np.arange(ncol, dtype=np.int32), np.asarray(start, dtype=float))
     t0 = time.perf_counter()
     h.run()
     solve_time = time.perf_counter() - t0
@@ -503,6 +792,55 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def _decode(x: np.ndarray, g: _Graph, U: Dict[int, _Unit], segs: _Segments) -> Tuple[List[str], List[int]]:
+    """The plan of a solution: an action per unit, and the starts of its segments."""
+    actions = []
+    for u in range(g.n):
+        v = U.get(u)
+        if v is None:
+            actions.append("retain")
+            continue
+        vals = {"retain": x[v.r], "swap": x[v.w] if v.w is not None else -1.0, "recompute": x[v.c] if v.c is not None else -1.0}
+        actions.append(max(vals, key=lambda a: vals[a]))
+    starts = sorted({seg.s for col, seg in segs.cols.items() if x[col] > 0.5})
+    return actions, starts
+
+
+def _start(g: _Graph, m: _Model, U: Dict[int, _Unit], segs: _Segments, sizes: Dict[str, Any],
+           seed: Optional[Dict[str, Any]]) -> Tuple[Optional[np.ndarray], Optional[float]]:
+    """The model's solution for a seed plan (a plan dict, default segment starts), and its model
+    step time; (None, None) if the model cannot express it or finds it over its budget."""
+    if seed is None:
+        return None, None
+    fixed = _plan_columns(g, U, segs, seed["actions"], g.block_start)
+    if fixed is None:
+        return None, None
+    x, res = _completion(m, fixed)
+    if x is None:
+        return None, None
+    return x, res["objective"] * sizes["time_unit"] + sum(g.fwd) + sum(g.bwd)
+
+
+def _check_settings(method: str, time_limit: float, swap_window: int, max_segment: Optional[int], max_vars: int,
+                    mip_start: Optional[str] = None) -> None:
+    if method not in MILP_METHODS:
+        raise MilpError(f"unknown MILP method {method!r}; choose one of {', '.join(MILP_METHODS)}")
+    if not time_limit > 0:
+        raise MilpError(f"time_limit must be positive seconds, got {time_limit!r}")
+    if swap_window < 1:
+        raise MilpError(f"swap_window must be at least 1 stage, got {swap_window!r}")
+    if max_segment is not None and max_segment < 1:
+        raise MilpError(f"max_segment must be at least 1 unit (or None: no limit), got {max_segment!r}")
+    if max_vars < 0:
+        raise MilpError(f"max_vars must be at least 0, got {max_vars!r}")
+    if mip_start not in (None, "pso"):
+        raise MilpError(f"mip_start must be \"pso\" or None, got {mip_start!r}")
+
+
+def _model_settings(sizes: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in sizes.items() if k not in ("stage_memory", "transient")}
+
+
 def milp_plan(
     profile_text: str,
     budget: int,
@@ -513,10 +851,23 @@ def milp_plan(
     threads: int = 0,
     prefetch_lookahead: int = 2,
     swap_window: int = 10,
+    choose_starts: bool = False,
+    max_segment: Optional[int] = 16,
+    max_vars: int = 8,
+    mip_start: Optional[str] = "pso",
     retries: int = 3,
     fallback: bool = True,
 ) -> str:
     """Plan JSON for `profile_text` under `budget` bytes by solving the MILP of `method`.
+
+    Checkpoint segments: with `choose_starts` False (the default), a run of recomputed units is
+    split at the profile's default segment starts only, as for every other method; with True, the
+    MILP chooses the plan's `segment_starts` too. `max_segment` limits a segment's units (None:
+    no limit; with `choose_starts` it should be set: the model has a column per interval).
+    `max_vars`: a candidate segment whose behaviour depends on more than this many units outside
+    it is left out of the model (docs/methods.md). `mip_start="pso"`: HiGHS starts from PSO's
+    plan (100 particles x 100 iterations, the plan the fallback below uses) where the model can
+    express it and it fits the model's budget; None: from nothing.
 
     The plan is scored by the evaluator. If the evaluator finds it over the budget (the MILP is a
     linear approximation), the MILP is re-solved with its memory limit lowered by the evaluator's
@@ -524,48 +875,45 @@ def milp_plan(
     and the settings say so. Raises BudgetError (naming the smallest budget known to work) when no
     plan fits.
     """
-    if method not in MILP_METHODS:
-        raise MilpError(f"unknown MILP method {method!r}; choose one of {', '.join(MILP_METHODS)}")
-    if not time_limit > 0:
-        raise MilpError(f"time_limit must be positive seconds, got {time_limit!r}")
-    if swap_window < 1:
-        raise MilpError(f"swap_window must be at least 1 stage, got {swap_window!r}")
+    _check_settings(method, time_limit, swap_window, max_segment, max_vars, mip_start)
     _core.check_budget(profile_text, budget, prefetch_lookahead)
-    profile = json.loads(profile_text)
-    g = _graph(profile)
+    g = _graph(profile_text)
+    t0 = time.perf_counter()
+    seed = _fallback(profile_text, budget, prefetch_lookahead) if mip_start == "pso" else None
+    seed_time = time.perf_counter() - t0
     allow_swap = method in ("milp", "milp-swap")
     allow_recompute = method in ("milp", "milp-recompute")
     attempts: List[Dict[str, Any]] = []
     limit = budget
     build_time = 0.0
+    common = {"time_limit": time_limit, "swap_window": swap_window, "choose_starts": choose_starts, "max_segment": max_segment,
+              "max_vars": max_vars, "mip_start": mip_start, "start_time": seed_time}
     for attempt in range(retries + 1):
         t0 = time.perf_counter()
-        m, U, sizes = build(g, limit, allow_swap, allow_recompute, prefetch_lookahead, swap_window)
+        m, U, segs, sizes = build(g, limit, allow_swap, allow_recompute, prefetch_lookahead, swap_window, choose_starts,
+                                  max_segment, max_vars)
         build_time += time.perf_counter() - t0
-        x, res = _solve(m, time_limit, mip_gap, threads)
+        t0 = time.perf_counter()
+        start, start_objective = _start(g, m, U, segs, sizes, seed)
+        common["start_time"] += time.perf_counter() - t0
+        x, res = _solve(m, time_limit, mip_gap, threads, start)
         res["model_budget"] = limit
+        res["start_model_step_time"] = start_objective
         if res["objective"] is not None:
             res["objective"] *= sizes["time_unit"]
         res["dual_bound"] *= sizes["time_unit"]
         attempts.append(res)
         if x is None:
             break
-        actions = []
-        for u in range(g.n):
-            v = U.get(u)
-            if v is None:
-                actions.append("retain")
-                continue
-            vals = {"retain": x[v.r], "swap": x[v.w] if v.w is not None else -1.0, "recompute": x[v.c] if v.c is not None else -1.0}
-            actions.append(max(vals, key=lambda a: vals[a]))
-        out = json.loads(_core.evaluate(profile_text, actions, budget, prefetch_lookahead))
+        actions, starts = _decode(x, g, U, segs)
+        seg_arg = starts if choose_starts else None
+        out = json.loads(_core.evaluate(profile_text, actions, budget, prefetch_lookahead, seg_arg))
         res["evaluator_step_time"] = out["step_time"]
         res["evaluator_feasible"] = out["feasible"]
         if out["feasible"]:
             settings = {
-                "time_limit": time_limit,
+                **common,
                 "mip_gap_target": mip_gap,
-                "swap_window": swap_window,
                 "solve_time": sum(a["solve_time"] for a in attempts),
                 "build_time": build_time,
                 "gap": res["gap"],
@@ -573,19 +921,23 @@ def milp_plan(
                 "model_step_time": None if res["objective"] is None else res["objective"] + sum(g.fwd) + sum(g.bwd),
                 "dual_bound": res["dual_bound"],
                 "attempts": attempts,
-                "model": sizes,
+                "model": _model_settings(sizes),
                 "fallback": None,
                 "eval": {"prefetch_lookahead": prefetch_lookahead},
             }
-            text = _core.plan_from_actions(profile_text, budget, actions, method, json.dumps(_finite(settings)), prefetch_lookahead)
+
+            def plan_text() -> str:
+                return _core.plan_from_actions(profile_text, budget, actions, method, json.dumps(_finite(settings)),
+                                               prefetch_lookahead, seg_arg)
+
             if attempt == 0 or not fallback:
-                return text
+                return plan_text()
             # A tightened model's plan may be far from the best: compare it with the fallback.
-            alt = _fallback(profile_text, budget, prefetch_lookahead)
+            alt = seed if mip_start == "pso" else _fallback(profile_text, budget, prefetch_lookahead)
             if alt is not None and alt["predicted"]["step_time"] < out["step_time"]:
                 return _fallback_plan(alt, method, settings, "pso (particles 100, iterations 100): faster than the tightened MILP plan")
             settings["fallback"] = "none: the tightened MILP plan was faster than pso (particles 100, iterations 100)"
-            return _core.plan_from_actions(profile_text, budget, actions, method, json.dumps(_finite(settings)), prefetch_lookahead)
+            return plan_text()
         limit = max(0, limit - int(out["excess"]) - max(1, budget // 10000))
     reason = attempts[-1]["status"] if attempts[-1].get("objective") is None else "plan over the budget in the evaluator"
     if not fallback:
@@ -594,11 +946,10 @@ def milp_plan(
             "raise the budget or time_limit, or use method='pso'",
             budget,
         )
-    plan = _fallback(profile_text, budget, prefetch_lookahead, raise_error=True)
+    plan = seed if seed is not None else _fallback(profile_text, budget, prefetch_lookahead, raise_error=True)
     assert plan is not None
     settings = {
-        "time_limit": time_limit,
-        "swap_window": swap_window,
+        **common,
         "solve_time": sum(a["solve_time"] for a in attempts),
         "build_time": build_time,
         "gap": None,
@@ -622,3 +973,59 @@ def _fallback_plan(plan: Dict[str, Any], method: str, settings: Dict[str, Any], 
     plan["method"] = method
     plan["settings"] = _finite({**settings, "gap": None, "fallback": why, "pso": plan.get("settings")})
     return json.dumps(plan)
+
+
+def first_solve(profile_text: str, budget: int, method: str = "milp", *, time_limit: float = 30.0, mip_gap: float = 1e-4,
+                threads: int = 0, prefetch_lookahead: int = 2, swap_window: int = 10, choose_starts: bool = False,
+                max_segment: Optional[int] = 16, max_vars: int = 8, mip_start: Optional[str] = "pso") -> Dict[str, Any]:
+    """The model's size and its first solve, without tightening or fallback (benches/milp_model_size.py)."""
+    _check_settings(method, time_limit, swap_window, max_segment, max_vars, mip_start)
+    g = _graph(profile_text)
+    t0 = time.perf_counter()
+    m, U, segs, sizes = build(g, budget, method in ("milp", "milp-swap"), method in ("milp", "milp-recompute"), prefetch_lookahead,
+                              swap_window, choose_starts, max_segment, max_vars)
+    build_time = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seed = _fallback(profile_text, budget, prefetch_lookahead) if mip_start == "pso" else None
+    start, start_objective = _start(g, m, U, segs, sizes, seed)
+    start_time = time.perf_counter() - t0
+    x, res = _solve(m, time_limit, mip_gap, threads, start)
+    rec: Dict[str, Any] = {"columns": len(m.cost), "rows": len(m.rows), "nonzeros": sum(len(r[0]) for r in m.rows),
+                           "integers": sum(m.integer), "segments": sizes["segments"], "segments_skipped": sizes["segments_skipped"],
+                           "build_time": build_time, "start_time": start_time, "start_model_step_time": start_objective,
+                           "start_evaluator_step_time": seed["predicted"]["step_time"] if seed else None,
+                           **{k: res[k] for k in ("status", "solve_time", "gap")}}
+    if x is not None:
+        actions, starts = _decode(x, g, U, segs)
+        out = json.loads(_core.evaluate(profile_text, actions, budget, prefetch_lookahead, starts if choose_starts else None))
+        rec.update(model_step_time=res["objective"] * sizes["time_unit"] + sum(g.fwd) + sum(g.bwd),
+                   evaluator_step_time=out["step_time"], evaluator_feasible=out["feasible"],
+                   multi_unit_segments=sum(1 for col, seg in segs.cols.items() if x[col] > 0.5 and seg.e > seg.s))
+    return _finite(rec)
+
+
+def model_of_plan(profile_text: str, actions: Sequence[str], segment_starts: Optional[Sequence[int]] = None, *,
+                  prefetch_lookahead: int = 2, swap_window: int = 10, max_vars: int = 8) -> Dict[str, Any]:
+    """What the linear model predicts for a plan (tests; docs/methods.md): the model with every
+    action binary and segment column fixed to the plan (swap timing left to the solver), under a
+    budget that does not bind. Returns `step_time` and `stage_peaks` (bytes per stage, F0 ..
+    F(n-1), B(n-1) .. B0). `segment_starts`: None for the profile's defaults."""
+    g = _graph(profile_text)
+    n = g.n
+    starts = g.block_start if segment_starts is None else [u in set(segment_starts) for u in range(n)]
+    budget = 4 * (g.constant + sum(g.act) + sum(g.out) + sum(g.held) + sum(g.grad) + max(g.fwd_tr + g.bwd_tr + g.replay_extra + [0])
+                  + sum(b for sf in g.saved_from for _, b in sf))
+    m, U, segs, sizes = build(g, budget, "swap" in actions, True, prefetch_lookahead, swap_window, segment_starts is not None, None,
+                              max_vars)
+    fixed = _plan_columns(g, U, segs, actions, starts)
+    if fixed is None:
+        raise MilpError("the model cannot express this plan (an action a unit cannot take, or a segment left out)")
+    x, res = _completion(m, fixed)
+    if x is None:
+        raise MilpError(f"the model has no solution for this plan ({res['status']})")
+    mu = sizes["memory_unit"]
+    peaks = [x[col] * mu for col in sizes["stage_memory"]]
+    chosen = [seg for col, seg in segs.cols.items() if fixed[col] > 0.5]
+    for k in sizes["transient"]:
+        peaks[k] += max([seg.extra.get(k, 0.0) for seg in chosen] + [0.0])
+    return {"step_time": res["objective"] * sizes["time_unit"] + sum(g.fwd) + sum(g.bwd), "stage_peaks": peaks}
