@@ -407,8 +407,8 @@ fn plan_from_actions(
     swap_parameters: Option<Vec<usize>>,
     swap_optimizer_state: Option<Vec<usize>>,
 ) -> PyResult<String> {
-    let (p, g, a, starts) = parse_plan_inputs(profile_json, actions, segment_starts)?;
-    let swaps = parse_swaps(&g, swap_parameters, swap_optimizer_state)?;
+    let (p, _, a, starts, swaps) =
+        parse_plan_inputs(profile_json, actions, segment_starts, swap_parameters, swap_optimizer_state)?;
     let settings: serde_json::Value = serde_json::from_str(settings_json)
         .map_err(|e| PlannerError::new_err(format!("settings_json is not JSON: {e}")))?;
     let eval = EvalOptions { prefetch_lookahead, ..Default::default() };
