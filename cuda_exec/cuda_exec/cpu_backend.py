@@ -226,7 +226,11 @@ class CpuBackend:
             raise RuntimeError("fetch of a released host handle")
         src = h.source
         if src is not None:
+            # the offload is cancelled (a copy already running keeps its own reference until it
+            # ends): from here the caller's tensor alone keeps the device bytes, so they go when
+            # the caller lets go of them, not when the copy thread reaches the queued offload
             h.cancelled = True
+            h.source = None
             h.device_tensor = None
             return src
         if h.cancelled:
@@ -257,6 +261,7 @@ class CpuBackend:
                 return
             h.released = True
             h.cancelled = True
+            h.source = None  # a queued offload is skipped; a running one holds its own reference
             h.device_tensor = None
             if h.pending == 0:
                 h.source = None
@@ -358,12 +363,14 @@ class CpuBackend:
                 self._queue.task_done()
                 return
             op, h = item
-            dt = None
+            dt = src = None
             try:
                 if op == "d2h":
-                    if not h.cancelled and h.buf is not None and h.source is not None:
+                    src = h.source  # one read: fetch() and release() may drop it meanwhile
+                    if not h.cancelled and h.buf is not None and src is not None:
                         t0 = time.perf_counter()
-                        np.copyto(h.buf, h.source.numpy())
+                        np.copyto(h.buf, src.numpy())
+                        src = None
                         self._throttle(h.nbytes, t0)
                     elif h.cancelled:
                         with self._lock:
@@ -390,7 +397,7 @@ class CpuBackend:
                         h.source = None
                         self._give_back(h)
                 # drop this thread's references before blocking on the queue again
-                item = h = dt = None  # type: ignore[assignment]
+                item = h = dt = src = None  # type: ignore[assignment]
                 self._queue.task_done()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
