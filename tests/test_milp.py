@@ -187,10 +187,12 @@ def test_restricted_milps_use_only_their_action_and_are_near_their_optimum(
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(dag_profiles(max_units=6, checkpointable=True), st.floats(0.0, 1.0))
 def test_milp_is_never_worse_than_its_restricted_models(profile: Dict[str, Any], frac: float) -> None:
-    # Where all three are solved to optimality from their first model: the joint model's optimum
-    # is at most either restricted one's (its plans include theirs), and so is its plan's step
-    # time, up to the departures of the swap model (docs/methods.md); choosing the starts too
-    # is at most the default starts' optimum.
+    # Where all three first models are solved to optimality: the joint model's optimum is at most
+    # either restricted one's (its plans include theirs), and choosing the starts too is at most
+    # the default starts' optimum. The models are compared, not their plans in the evaluator: a
+    # joint optimum the evaluator refuses (a departure of the swap model, docs/methods.md) is
+    # then tightened or replaced, which the restricted models need not be. Where every plan was
+    # the first solution, the joint plan's step time is also within the tolerance of theirs.
     budget = budget_between(profile, frac)
     plans = {}
     for method, choose in (("milp", False), ("milp-swap", False), ("milp-recompute", False), ("milp", True)):
@@ -198,23 +200,32 @@ def test_milp_is_never_worse_than_its_restricted_models(profile: Dict[str, Any],
             plans[(method, choose)] = tp.plan_profile(profile, budget, method, time_limit=10, choose_starts=choose)
         except tp.BudgetError:
             pass
-    def solved(key: Any) -> bool:
+
+    def first(key: Any) -> Optional[float]:
+        """The first model's optimum (its objective: step time beyond the stages' compute)."""
         p = plans.get(key)
-        return p is not None and p.settings["fallback"] is None and p.settings["status"] == "Optimal" and len(p.settings["attempts"]) == 1
-    if not solved(("milp", False)):
-        assert not any(solved(k) for k in [("milp-swap", False), ("milp-recompute", False)]), "the joint model found no plan"
+        attempts = p.settings.get("attempts") or [] if p is not None else []
+        return attempts[0]["objective"] if attempts and attempts[0]["status"] == "Optimal" else None
+
+    units = [p.settings["model"]["time_unit"] for p in plans.values() if p.settings.get("model")]
+    resolution = SOLVER_RESOLUTION * max(units, default=0.0)
+    joint = first(("milp", False))
+    if joint is None:
+        assert not any(first(k) is not None for k in [("milp-swap", False), ("milp-recompute", False)]), \
+            "a restricted model was solved and the joint one was not"
         return
-    joint = plans[("milp", False)]
     for key in [("milp-swap", False), ("milp-recompute", False), ("milp", True)]:
-        if not solved(key):
+        other = first(key)
+        if other is None:
             continue
-        other = plans[key]
-        slack = 2e-4 * other.settings["model_step_time"] + SOLVER_RESOLUTION * other.settings["model"]["time_unit"]
+        slack = 2e-4 * max(abs(other), abs(joint)) + resolution
         if key == ("milp", True):
-            assert other.settings["model_step_time"] <= joint.settings["model_step_time"] + slack
+            assert other <= joint + slack
         else:
-            assert joint.settings["model_step_time"] <= other.settings["model_step_time"] + slack
-            assert within_tolerance(joint, other.predicted["step_time"])
+            assert joint <= other + slack
+            both = [plans[("milp", False)], plans[key]]
+            if all(p.settings["fallback"] is None and len(p.settings["attempts"]) == 1 for p in both):
+                assert within_tolerance(both[0], both[1].predicted["step_time"])
 
 
 def test_milp_matches_pso_on_a_builtin_profile() -> None:
