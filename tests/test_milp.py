@@ -289,3 +289,17 @@ def test_milp_at_the_unplanned_peak_costs_nothing() -> None:
     plan = tp.plan_profile(prof, tp.unplanned_peak(prof), "milp")
     assert plan.settings["model_step_time"] == pytest.approx(plan.predicted["compute_time"])
     assert plan.predicted["step_time"] == pytest.approx(plan.predicted["compute_time"])
+
+
+def test_solves_with_different_thread_counts_in_one_process() -> None:
+    """HiGHS's thread scheduler is global to the process: a solve with 2 threads, then the model of a
+    plan (1 thread), then 2 again must all solve (the second failed with status "Not Set" when
+    the suite's earlier MILP solves had made the scheduler with another count)."""
+    prof = tp.examples.profile("plain20", batch_size=8)
+    text = tp.planning.profile_json(prof)
+    budget = tp.unplanned_peak(prof)
+    recompute_all = ["recompute"] * len(prof["units"])
+    for threads in (2, 1, 2):
+        plan = tp.plan_profile(prof, budget, "milp-recompute", threads=threads, time_limit=10)
+        assert plan.settings["attempts"][0]["status"] == "Optimal", threads
+        assert model_of_plan(text, recompute_all)["step_time"] > 0

@@ -731,6 +731,12 @@ def _solve(m: _Model, time_limit: float, mip_gap: float, threads: int,
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads > 0:
         h.setOptionValue("threads", int(threads))
+        # HiGHS's thread scheduler is global to the process, made by the first solve with that
+        # solve's thread count; a later solve that asks for another count fails (status "Not Set")
+        # unless the scheduler is made again.
+        reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
+        if reset is not None:
+            reset(True)
     ncol = len(m.cost)
     lp = highspy.HighsLp()
     lp.num_col_ = ncol
