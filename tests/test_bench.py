@@ -606,3 +606,18 @@ def test_maxbatch_names_what_batch_one_needs_when_nothing_fits(capsys, tmp_path)
     for m in ("swap-all", "unplanned"):
         assert f"{m}: no batch fits 64.0 KiB: at batch 1 it needs about" in out
     assert all(r["predicted_batch"] == 0 and r["confirmed_batch"] is None for r in data["rows"])
+
+
+def test_methods_marks_a_method_that_does_not_apply_and_goes_on(tmp_path):
+    """checkpoint-blocks on a profile without repeated blocks (vgg16) is n/a in the table; the
+    run goes on to the other methods and profiles."""
+    from tensorplace.methods.bench import markdown, run_methods
+
+    out = tmp_path / "m.jsonl"
+    recs = run_methods(["vgg16", "plain20"], [], [1.0], ["checkpoint-blocks", "sqrt"], out=str(out))
+    by = {(r["profile"], r["method"]): r for r in recs}
+    assert len(out.read_text().splitlines()) == 4
+    assert by["vgg16", "checkpoint-blocks"]["not_applicable"] and "repeated blocks" in by["vgg16", "checkpoint-blocks"]["error"]
+    assert "step_time" in by["vgg16", "sqrt"] and "step_time" in by["plain20", "checkpoint-blocks"]
+    vgg_row = next(line for line in markdown(recs).splitlines() if line.startswith("| vgg16"))
+    assert "| n/a |" in vgg_row

@@ -12,7 +12,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import examples
-from .._core import BudgetError
+from .._core import BudgetError, PlannerError
 from ..budget import format_bytes
 from ..planning import lower_bound, plan_profile, unplanned_peak
 
@@ -80,6 +80,10 @@ def run_methods(
                 except BudgetError as e:
                     rec["planning_time"] = time.perf_counter() - t
                     rec["error"] = str(e.args[0])
+                except PlannerError as e:  # the method does not apply (checkpoint-blocks without repeated blocks)
+                    rec["planning_time"] = time.perf_counter() - t
+                    rec["error"] = str(e)
+                    rec["not_applicable"] = True
                 records.append(rec)
                 if out:
                     with open(out, "a", encoding="utf-8") as f:
@@ -106,6 +110,8 @@ def markdown(records: Sequence[Dict[str, Any]], baseline: str = "milp") -> str:
             r = by.get(m)
             if r is None:
                 cells.append("")
+            elif r.get("not_applicable"):
+                cells.append("n/a")
             elif "error" in r:
                 cells.append(f"no plan ({r['planning_time']:.1f} s)")
             else:
