@@ -272,8 +272,9 @@ def plan_profile(
     PSO (`particles` x `iterations`, `seed`; deterministic for a seed whatever `threads`) polishes
     its best plans by local search, then runs `restarts` more swarms of ``max(particles // 8, 1)``
     particles from random plans and polishes their best, then polishes up to `relinks` plans
-    found between polished plans by path relinking; the last two only ever improve the plan
-    (docs/methods.md, "PSO extensions"; 0 turns each off).
+    found between polished plans by path relinking; the last two only ever improve the plan and
+    about double the default search's time (docs/methods.md, "PSO extensions"; 0 turns each off,
+    as quick searches with few particles may want: there the polishes dominate the time).
 
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
