@@ -10,6 +10,10 @@
 //! again (the sweep is deterministic). Particles are updated in parallel (rayon); all
 //! randomness comes from per-particle generators derived from the seed, so the result does not
 //! depend on the thread count.
+//!
+//! Extensions after the swarm (`PsoSettings`): the polish of its best plans (crate::polish),
+//! restarts (smaller swarms from random plans, each best polished) and path relinking between
+//! the polished plans (crate::relink). Each only adds candidates, so none makes the result worse.
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
