@@ -138,6 +138,18 @@ def test_more_search_never_finds_a_worse_plan_for_the_same_seed(plain20):
     assert long.predicted["step_time"] <= short.predicted["step_time"]
 
 
+def test_restarts_and_relinking_are_settings_that_only_improve_the_plan(plain20):
+    lb, up = tp.lower_bound(plain20), tp.unplanned_peak(plain20)
+    budget = lb + (up - lb) // 4
+    base = tp.plan_profile(plain20, budget, particles=40, iterations=10, restarts=0, relinks=0)
+    more = tp.plan_profile(plain20, budget, particles=40, iterations=10, restarts=2, relinks=3)
+    assert (base.settings["restarts"], base.settings["relinks"]) == (0, 0)
+    assert (more.settings["restarts"], more.settings["relinks"]) == (2, 3)
+    assert more.predicted["step_time"] <= base.predicted["step_time"]
+    assert more.convergence["evaluations"] > base.convergence["evaluations"]
+    assert more.convergence["best"][-1] == pytest.approx(more.predicted["step_time"])
+
+
 def test_replan_needs_a_profile(plain20):
     plan = tp.plan_profile(plain20, tp.unplanned_peak(plain20), method="retain")
     with pytest.raises(tp.PlannerError, match="carries no profile"):

@@ -14,7 +14,7 @@ import torch
 import tensorplace as tp
 from tensorplace import api
 
-SEARCH = dict(particles=24, iterations=10, threads=1)
+SEARCH = dict(particles=24, iterations=10, threads=1, restarts=0, relinks=0)
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,8 @@ def test_the_search_is_never_slower_than_the_recipes_at_their_memory(name: str, 
         except tp.PlannerError:
             continue  # no repeated blocks in this profile
         budget = base.predicted["peak_bytes"]
-        found = tp.plan_profile(profile, budget, "pso", particles=20, iterations=5)
+        # The recipe is a seed of the swarm (restarts and relinking only improve on it; off here)
+        found = tp.plan_profile(profile, budget, "pso", particles=20, iterations=5, restarts=0, relinks=0)
         assert found.predicted["peak_bytes"] <= budget
         assert found.predicted["step_time"] <= base.predicted["step_time"] * (1 + 1e-12), (name, recipe)
 

@@ -246,6 +246,8 @@ def plan_profile(
     budget_kind: str = "allocated",
     alloc_conf: Optional[str] = None,
     reserved_rounds: int = 4,
+    restarts: int = 3,
+    relinks: int = 6,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
@@ -266,6 +268,13 @@ def plan_profile(
     ``segment_starts``; "exhaustive-segments" does too, every other method keeps the profile's
     default starts). Raises `BudgetError` (with the smallest budget known to work in `args[1]`)
     when the budget cannot be met.
+
+    PSO (`particles` x `iterations`, `seed`; deterministic for a seed whatever `threads`) polishes
+    its best plans by local search, then runs `restarts` more swarms of ``max(particles // 8, 1)``
+    particles from random plans and polishes their best, then polishes up to `relinks` plans
+    found between polished plans by path relinking; the last two only ever improve the plan and
+    about double the default search's time (docs/methods.md, "PSO extensions"; 0 turns each off,
+    as quick searches with few particles may want: there the polishes dominate the time).
 
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
@@ -324,6 +333,8 @@ def plan_profile(
         budget_kind=budget_kind,
         alloc_conf=alloc_conf,
         reserved_rounds=reserved_rounds,
+        restarts=restarts,
+        relinks=relinks,
     )
     return _with_fixed_memory(json.loads(data), profile)
 

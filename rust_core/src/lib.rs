@@ -6,7 +6,7 @@
 //! - [`state_swap`]: parameters and optimizer state swapped across iterations (TENSILE).
 //! - [`peak`]: peak analysis and the lower bound of any plan.
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3); [`polish`]: the local search
-//!   after it.
+//!   after it; [`relink`]: path relinking between polished plans, last.
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
@@ -29,6 +29,7 @@ pub mod plan;
 pub mod planner;
 pub mod polish;
 pub mod profile;
+pub mod relink;
 pub mod pso;
 pub mod recipes;
 pub mod reserved;

@@ -97,6 +97,7 @@ pub fn make_plan(
             let js = json!({"particles": s.particles, "iterations": s.iterations, "seed": s.seed,
                             "threads": s.threads, "seed_extremes": s.seed_extremes,
                             "seed_heuristics": seeded, "polish": s.polish,
+                            "restarts": s.restarts, "relinks": s.relinks,
                             "mutation": s.mutation, "patience": s.patience, "eval": eval_json});
             (r.actions, js, Some(trace_json(&r.trace)))
         }

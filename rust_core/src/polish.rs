@@ -70,7 +70,8 @@ impl Move {
     }
 }
 
-struct Search<'a> {
+/// The local search's state: the evaluator's inputs and the evaluations made so far.
+pub(crate) struct Polisher<'a> {
     g: &'a Graph,
     budget: u64,
     opts: &'a EvalOptions,
@@ -81,7 +82,22 @@ struct Search<'a> {
     window: usize,
 }
 
-impl<'a> Search<'a> {
+impl<'a> Polisher<'a> {
+    pub(crate) fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions, pool: &'a rayon::ThreadPool) -> Self {
+        Polisher { g, budget, opts, pool, scratch: Scratch::new(g.n), evaluations: 0, window: PAIR_WINDOW }
+    }
+
+    pub(crate) fn evaluations(&self) -> u64 {
+        self.evaluations
+    }
+
+    /// Scores of `plan` with each of `changes` (one unit set to one action) applied alone, in
+    /// parallel (in order, whatever the thread count).
+    pub(crate) fn scores_of_changes(&mut self, plan: &[Action], changes: &[(usize, Action)]) -> Vec<Score> {
+        let moves: Vec<Move> = changes.iter().map(|&first| Move { first, second: None }).collect();
+        self.scores(plan, &moves, self.budget)
+    }
+
     fn score(&mut self, plan: &[Action]) -> Score {
         self.evaluations += 1;
         score(self.g, plan, self.budget, self.opts, &mut self.scratch)
@@ -329,7 +345,8 @@ impl<'a> Search<'a> {
         improved
     }
 
-    fn polish(&mut self, mut plan: Vec<Action>, mut current: Score) -> (Vec<Action>, Score) {
+    /// Polish one plan (module documentation) with pairs at most [`PAIR_WINDOW`] apart.
+    pub(crate) fn polish(&mut self, mut plan: Vec<Action>, mut current: Score) -> (Vec<Action>, Score) {
         loop {
             self.descend(&mut plan, &mut current);
             if !current.feasible || !self.eject(&mut plan, &mut current) {
@@ -341,26 +358,43 @@ impl<'a> Search<'a> {
     }
 }
 
+/// Polished plans: the best, and every distinct feasible plan the polish of a start (or of the
+/// best, with pairs at any distance) ended at.
+pub struct Polished {
+    pub best: (Vec<Action>, Score),
+    pub plans: Vec<(Vec<Action>, Score)>,
+    pub evaluations: u64,
+}
+
 /// Polish each start in turn (module documentation), then the best result again with pairs at
-/// any distance. Returns that plan, its score and the evaluations made (None without starts).
+/// any distance (None without starts).
 pub fn polish(
     g: &Graph,
     budget: u64,
     opts: &EvalOptions,
     pool: &rayon::ThreadPool,
     starts: Vec<(Vec<Action>, Score)>,
-) -> Option<(Vec<Action>, Score, u64)> {
-    let mut search =
-        Search { g, budget, opts, pool, scratch: Scratch::new(g.n), evaluations: 0, window: PAIR_WINDOW };
+) -> Option<Polished> {
+    let mut search = Polisher::new(g, budget, opts, pool);
     let mut best: Option<(Vec<Action>, Score)> = None;
+    let mut plans = Vec::new();
     for (plan, s) in starts {
         let (p, ps) = search.polish(plan, s);
         if best.as_ref().map_or(true, |(_, bs)| ps.better_than(bs)) {
-            best = Some((p, ps));
+            best = Some((p.clone(), ps));
         }
+        add_distinct(&mut plans, p, ps);
     }
     let (plan, s) = best?;
     search.window = g.n;
     let (plan, s) = search.polish(plan, s);
-    Some((plan, s, search.evaluations))
+    add_distinct(&mut plans, plan.clone(), s);
+    Some(Polished { best: (plan, s), plans, evaluations: search.evaluations })
+}
+
+/// Add a feasible plan to `plans` unless it is there already.
+pub(crate) fn add_distinct(plans: &mut Vec<(Vec<Action>, Score)>, plan: Vec<Action>, s: Score) {
+    if s.feasible && !plans.iter().any(|(p, _)| *p == plan) {
+        plans.push((plan, s));
+    }
 }

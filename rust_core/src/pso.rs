@@ -10,10 +10,15 @@
 //! again (the sweep is deterministic). Particles are updated in parallel (rayon); all
 //! randomness comes from per-particle generators derived from the seed, so the result does not
 //! depend on the thread count.
+//!
+//! Extensions after the swarm (`PsoSettings`): the polish of its best plans (crate::polish),
+//! restarts (smaller swarms from random plans, each best polished) and path relinking between
+//! the polished plans (crate::relink). Each only adds candidates, so none makes the result worse.
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{score, EvalOptions, Score, Scratch};
+use crate::polish::{add_distinct, Polisher};
 use crate::profile::Graph;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -50,6 +55,13 @@ pub struct PsoSettings {
     /// How many plans the polish starts from: the swarm's best, then the next best distinct
     /// personal bests. The best polished plan wins.
     pub polish_starts: usize,
+    /// With the polish: after it, run this many more swarms of `particles / 8` particles from
+    /// random plans (each with its own seed derived from `seed`) and polish each one's best (an
+    /// extension; it only ever improves the result).
+    pub restarts: usize,
+    /// With the polish: then polish at most this many plans found between polished plans by
+    /// path relinking (crate::relink; an extension; it only ever improves the result).
+    pub relinks: usize,
 }
 
 impl Default for PsoSettings {
@@ -67,6 +79,8 @@ impl Default for PsoSettings {
             seed_heuristics: true,
             polish: true,
             polish_starts: 3,
+            restarts: 3,
+            relinks: 6,
         }
     }
 }
@@ -158,7 +172,23 @@ fn argbest(scores: &[Score]) -> usize {
     b
 }
 
-/// Run the search. `on_iteration` is called after every iteration with (iteration, best score).
+/// The settings of restart `r`: a smaller swarm from random plans, with a seed of its own, and
+/// nothing after it.
+fn restart_settings(settings: &PsoSettings, r: usize) -> PsoSettings {
+    PsoSettings {
+        particles: (settings.particles / 8).max(1),
+        seed: settings.seed.wrapping_add(0x9e37_79b9_7f4a_7c15u64.wrapping_mul(r as u64 + 1)),
+        seed_extremes: false,
+        seeds: Vec::new(),
+        polish: false,
+        restarts: 0,
+        relinks: 0,
+        ..settings.clone()
+    }
+}
+
+/// Run the search. `on_iteration` is called after every iteration of the (first) swarm with
+/// (iteration, best score).
 pub fn search(
     g: &Graph,
     budget: u64,
@@ -175,20 +205,91 @@ pub fn search(
             settings.mutation
         )));
     }
+    if let Some(bad) = settings.seeds.iter().find(|s| s.len() != g.n) {
+        return Err(CoreError::InvalidSetting(format!(
+            "a seed plan has {} actions but the profile has {} units",
+            bad.len(),
+            g.n
+        )));
+    }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(settings.threads)
         .build()
         .map_err(|e| CoreError::InvalidSetting(format!("cannot start {} threads: {e}", settings.threads)))?;
+    let Swarm { mut gbest, pbest, pbest_scores, mut trace, mut evaluations } =
+        swarm(g, budget, opts, settings, &pool, &mut on_iteration);
+    if settings.polish {
+        // The swarm's best, then the best personal bests whose step time differs from every
+        // start's so far (plans of the same time are mostly the same plan: a unit without
+        // activations swapped instead of retained).
+        let mut order: Vec<usize> = (0..pbest.len()).collect();
+        order.sort_by(|&x, &y| pbest_scores[x].cmp_key(&pbest_scores[y]).then(x.cmp(&y)));
+        let mut starts = vec![gbest.clone()];
+        for &i in &order {
+            if starts.len() >= settings.polish_starts.max(1) {
+                break;
+            }
+            if starts.iter().all(|(p, ps)| *p != pbest[i] && ps.time != pbest_scores[i].time) {
+                starts.push((pbest[i].clone(), pbest_scores[i]));
+            }
+        }
+        let polished = crate::polish::polish(g, budget, opts, &pool, starts).expect("the swarm's best is a start");
+        evaluations += polished.evaluations;
+        if polished.best.1.better_than(&gbest.1) {
+            gbest = polished.best;
+        }
+        let mut plans = polished.plans;
+        let mut polisher = Polisher::new(g, budget, opts, &pool);
+        for r in 0..settings.restarts {
+            let restart = swarm(g, budget, opts, &restart_settings(settings, r), &pool, &mut |_, _| {});
+            evaluations += restart.evaluations;
+            let (p, ps) = polisher.polish(restart.gbest.0, restart.gbest.1);
+            if ps.better_than(&gbest.1) {
+                gbest = (p.clone(), ps);
+            }
+            add_distinct(&mut plans, p, ps);
+        }
+        evaluations += polisher.evaluations();
+        if settings.relinks > 0 {
+            let (best, evals) = crate::relink::relink(g, budget, opts, &pool, plans, settings.relinks);
+            evaluations += evals;
+            if let Some((p, ps)) = best {
+                if ps.better_than(&gbest.1) {
+                    gbest = (p, ps);
+                }
+            }
+        }
+        if let Some(last) = trace.best.last_mut() {
+            if gbest.1.feasible {
+                *last = Some(gbest.1.time);
+            }
+        }
+    }
+    trace.evaluations = evaluations;
+    Ok(PsoResult { actions: gbest.0, score: gbest.1, trace })
+}
+
+/// What a swarm ends with.
+struct Swarm {
+    gbest: (Vec<Action>, Score),
+    pbest: Vec<Vec<Action>>,
+    pbest_scores: Vec<Score>,
+    trace: Trace,
+    evaluations: u64,
+}
+
+/// The swarm itself (Algorithms 1 and 3), settings checked.
+fn swarm(
+    g: &Graph,
+    budget: u64,
+    opts: &EvalOptions,
+    settings: &PsoSettings,
+    pool: &rayon::ThreadPool,
+    on_iteration: &mut dyn FnMut(usize, &Score),
+) -> Swarm {
     let n = g.n;
     let m = settings.particles;
     let started = Instant::now();
-
-    if let Some(bad) = settings.seeds.iter().find(|s| s.len() != n) {
-        return Err(CoreError::InvalidSetting(format!(
-            "a seed plan has {} actions but the profile has {n} units",
-            bad.len()
-        )));
-    }
     let extremes = if settings.seed_extremes { 3 } else { 0 };
     let mut positions: Vec<Vec<Action>> = (0..m)
         .map(|i| {
@@ -288,33 +389,5 @@ pub fn search(
             }
         }
     }
-    if settings.polish {
-        // The swarm's best, then the best personal bests whose step time differs from every
-        // start's so far (plans of the same time are mostly the same plan: a unit without
-        // activations swapped instead of retained).
-        let mut order: Vec<usize> = (0..m).collect();
-        order.sort_by(|&x, &y| pbest_scores[x].cmp_key(&pbest_scores[y]).then(x.cmp(&y)));
-        let mut starts = vec![gbest.clone()];
-        for &i in &order {
-            if starts.len() >= settings.polish_starts.max(1) {
-                break;
-            }
-            if starts.iter().all(|(p, ps)| *p != pbest[i] && ps.time != pbest_scores[i].time) {
-                starts.push((pbest[i].clone(), pbest_scores[i]));
-            }
-        }
-        if let Some((best, best_score, evals)) = crate::polish::polish(g, budget, opts, &pool, starts) {
-            evaluations += evals;
-            if best_score.better_than(&gbest.1) {
-                gbest = (best, best_score);
-            }
-        }
-        if let Some(last) = trace.best.last_mut() {
-            if gbest.1.feasible {
-                *last = Some(gbest.1.time);
-            }
-        }
-    }
-    trace.evaluations = evaluations;
-    Ok(PsoResult { actions: gbest.0, score: gbest.1, trace })
+    Swarm { gbest, pbest, pbest_scores, trace, evaluations }
 }

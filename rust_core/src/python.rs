@@ -317,7 +317,8 @@ fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize, state_sw
 #[pyfunction]
 #[pyo3(signature = (profile_json, budget, method="pso", particles=500, iterations=500, seed=0, threads=0,
                     seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2, seed_heuristics=true,
-                    seed_plans=None, budget_kind="allocated", alloc_conf=None, reserved_rounds=crate::reserved::DEFAULT_ROUNDS))]
+                    seed_plans=None, budget_kind="allocated", alloc_conf=None, reserved_rounds=crate::reserved::DEFAULT_ROUNDS,
+                    restarts=3, relinks=6))]
 #[allow(clippy::too_many_arguments)]
 fn make_plan(
     py: Python<'_>,
@@ -337,6 +338,8 @@ fn make_plan(
     budget_kind: &str,
     alloc_conf: Option<String>,
     reserved_rounds: usize,
+    restarts: usize,
+    relinks: usize,
 ) -> PyResult<String> {
     let kind = BudgetKind::from_name(budget_kind).map_err(to_py)?;
     let p = parse_profile(profile_json)?;
@@ -358,6 +361,8 @@ fn make_plan(
             skip_fixed_points: true,
             seeds,
             seed_heuristics,
+            restarts,
+            relinks,
             ..PsoSettings::default()
         },
         alloc_conf,

@@ -74,3 +74,17 @@ pub fn chain(f: &[f64], a: &[i64], constant: u64, bw: f64) -> Profile {
         .collect();
     profile(wire(units), constant, bw)
 }
+
+/// A builtin profile (python/tensorplace/examples, batch 32).
+pub fn bundled(name: &str) -> Profile {
+    let path = format!("{}/../python/tensorplace/examples/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    Profile::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The budget `frac` of the way from the lower bound to the unplanned peak.
+pub fn budget_at(p: &Profile, frac: f64) -> u64 {
+    let g = p.graph().unwrap();
+    let (lb, _) = tensorplace_core::peak::lower_bound(&g);
+    let up = tensorplace_core::peak::unplanned_peak(&g);
+    lb + ((up - lb) as f64 * frac) as u64
+}

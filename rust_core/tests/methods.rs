@@ -1,21 +1,12 @@
 //! The heuristic methods, PSO's seeds and polish, and vDNN's synchronous offload.
 
+mod common;
+use common::{budget_at, bundled};
 use tensorplace_core::evaluator::{evaluate, EvalOptions, Scratch};
 use tensorplace_core::planner::{make_plan, PlanSettings};
 use tensorplace_core::pso::{search, PsoSettings};
-use tensorplace_core::{Action, CoreError, Profile};
+use tensorplace_core::{Action, CoreError};
 
-fn bundled(name: &str) -> Profile {
-    let path = format!("{}/../python/tensorplace/examples/{name}.json", env!("CARGO_MANIFEST_DIR"));
-    Profile::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn budget_at(p: &Profile, frac: f64) -> u64 {
-    let g = p.graph().unwrap();
-    let (lb, _) = tensorplace_core::peak::lower_bound(&g);
-    let up = tensorplace_core::peak::unplanned_peak(&g);
-    lb + ((up - lb) as f64 * frac) as u64
-}
 
 const HEURISTICS: [&str; 6] = ["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta"];
 
