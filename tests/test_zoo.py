@@ -3,6 +3,8 @@ and trains exactly as without a plan, or is refused with a smallest budget that 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -38,6 +40,7 @@ def test_budgets_hold_on_every_zoo_model(name: str) -> None:
         rows = check_model(model, inputs, loss_fn, backend=backend, search={"particles": 20, "iterations": 10})
     finally:
         backend.close()
+    print(name, json.dumps(rows))  # every row whole in the report of a failure (the assertion's repr is cut)
     assert len(rows) == 3
     assert [r["budget"] for r in rows] == sorted((r["budget"] for r in rows), reverse=True)
     assert all(row_ok(r) for r in rows), [{k: v for k, v in r.items() if k != "refused"} for r in rows if not row_ok(r)]
