@@ -264,7 +264,6 @@ class CpuBackend:
             h.source = None  # a queued offload is skipped; a running one holds its own reference
             h.device_tensor = None
             if h.pending == 0:
-                h.source = None
                 self._give_back(h)
 
     def synchronize(self) -> None:
@@ -394,7 +393,6 @@ class CpuBackend:
                 with self._lock:
                     h.pending -= 1
                     if h.released and h.pending == 0:
-                        h.source = None
                         self._give_back(h)
                 # drop this thread's references before blocking on the queue again
                 item = h = dt = src = None  # type: ignore[assignment]

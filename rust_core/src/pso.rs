@@ -162,7 +162,8 @@ fn sweep(
     }
 }
 
-fn argbest(scores: &[Score]) -> usize {
+/// The index of the best score (the first of equal ones).
+pub(crate) fn argbest(scores: &[Score]) -> usize {
     let mut b = 0;
     for (i, s) in scores.iter().enumerate() {
         if s.better_than(&scores[b]) {

@@ -18,6 +18,7 @@ use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
 use crate::polish::{add_distinct, Polisher};
 use crate::profile::Graph;
+use crate::pso::argbest;
 
 /// How many of the best polished plans the walks run between.
 pub const POOL: usize = 8;
@@ -31,7 +32,7 @@ fn walk(polisher: &mut Polisher, from: &[Action], to: &[Action]) -> Option<(Vec<
     while left.len() > 1 {
         let changes: Vec<(usize, Action)> = left.iter().map(|&u| (u, to[u])).collect();
         let scores = polisher.scores_of_changes(&cur, &changes);
-        let k = (1..scores.len()).fold(0, |b, k| if scores[k].better_than(&scores[b]) { k } else { b });
+        let k = argbest(&scores);
         cur[left[k]] = to[left[k]];
         left.remove(k);
         if scores[k].feasible && best.as_ref().map_or(true, |(_, bs)| scores[k].better_than(bs)) {
