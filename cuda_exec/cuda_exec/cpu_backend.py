@@ -101,6 +101,10 @@ class CpuBackend:
         #: offloads whose copy has run; their sources are dropped by poll() on the caller's thread,
         #: so that the device bytes are freed where torch's profiler sees it, at a stage boundary
         self._done: List[CpuHostHandle] = []
+        #: device tensors the copy thread held when the caller let go of them (a fetch or release
+        #: during their copy): freed by poll() on the caller's thread, never on the copy thread,
+        #: where the profiler would not see the free and the bytes would go at no stage boundary
+        self._orphans: List[torch.Tensor] = []
         self._thread = threading.Thread(target=self._worker, name="tensorplace-copy", daemon=True)
         self._thread.start()
 
@@ -171,6 +175,8 @@ class CpuBackend:
             self._check()
         with self._lock:
             done, self._done = self._done, []
+            orphans, self._orphans = self._orphans, []
+        del orphans  # freed here, on the caller's thread
         freed = 0
         for h in done:
             if not h.keep_source:
@@ -224,14 +230,17 @@ class CpuBackend:
         h = handle
         if h.released:
             raise RuntimeError("fetch of a released host handle")
-        src = h.source
+        with self._lock:  # against the copy thread's _let_go
+            src = h.source
+            if src is not None:
+                # the offload is cancelled (a copy already running keeps its own reference until
+                # it ends, then hands it to poll()): from here the caller's tensor keeps the device
+                # bytes, so they go when the caller lets go of them, not when the copy thread
+                # reaches the queued offload
+                h.cancelled = True
+                h.source = None
+                h.device_tensor = None
         if src is not None:
-            # the offload is cancelled (a copy already running keeps its own reference until it
-            # ends): from here the caller's tensor alone keeps the device bytes, so they go when
-            # the caller lets go of them, not when the copy thread reaches the queued offload
-            h.cancelled = True
-            h.source = None
-            h.device_tensor = None
             return src
         if h.cancelled:
             raise RuntimeError("the offload was cancelled (its device bytes were used): fetch at most once")
@@ -307,6 +316,7 @@ class CpuBackend:
             self._closed = True
             self._pool.clear()
             self._heap_bytes = 0
+            self._orphans.clear()
             for h in list(self._live.values()):
                 h.buf = None
                 h.source = None
@@ -355,6 +365,13 @@ class CpuBackend:
             if left > 0:
                 time.sleep(left)
 
+    def _let_go(self, h: CpuHostHandle, t: Optional[torch.Tensor], attr: str) -> None:
+        """The copy thread is done with ``t``, read from ``h.<attr>``: if the caller has let go of
+        it meanwhile, the copy thread's reference may be the last, so it goes to poll() (called
+        with self._lock held)."""
+        if t is not None and getattr(h, attr) is not t:
+            self._orphans.append(t)
+
     def _worker(self) -> None:
         while True:
             item = self._queue.get()
@@ -365,11 +382,14 @@ class CpuBackend:
             dt = src = None
             try:
                 if op == "d2h":
-                    src = h.source  # one read: fetch() and release() may drop it meanwhile
+                    with self._lock:  # one read: fetch() and release() may drop it meanwhile
+                        src = h.source
                     if not h.cancelled and h.buf is not None and src is not None:
                         t0 = time.perf_counter()
                         np.copyto(h.buf, src.numpy())
-                        src = None
+                        with self._lock:
+                            self._let_go(h, src, "source")
+                            src = None
                         self._throttle(h.nbytes, t0)
                     elif h.cancelled:
                         with self._lock:
@@ -378,11 +398,15 @@ class CpuBackend:
                         self._done.append(h)
                     h.offload_done.set()
                 else:  # h2d
-                    dt = h.device_tensor
+                    with self._lock:
+                        dt = h.device_tensor
                     if not h.released and not h.cancelled and h.buf is not None and dt is not None:
                         t0 = time.perf_counter()
                         np.copyto(dt.numpy(), h.buf)
                         self._throttle(h.nbytes, t0)
+                    with self._lock:  # before fetch() can hand the tensor out and its reader drop it
+                        self._let_go(h, dt, "device_tensor")
+                        dt = None
                     h.prefetch_done.set()
             except BaseException as e:  # surfaced by _check() and by this handle's fetch
                 h.error = e
@@ -391,6 +415,9 @@ class CpuBackend:
                 h.prefetch_done.set()
             finally:
                 with self._lock:
+                    self._let_go(h, src, "source")
+                    self._let_go(h, dt, "device_tensor")
+                    src = dt = None
                     h.pending -= 1
                     if h.released and h.pending == 0:
                         self._give_back(h)
