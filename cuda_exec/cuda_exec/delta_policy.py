@@ -25,9 +25,12 @@ tensor, each unit's segment recorded so that it can be replayed). Nothing is dec
   ``fwd_time``), plus the replays of evicted inputs it needs first; 0 when another record of the
   unit is evicted already (the unit is replayed anyway). Releases happen in the forward only
   (the paper's Assumption 2).
-* **Budget.** If the memory in use plus what the coming stage allocated in the previous step is
-  above the budget while swap-outs are still copying, the step waits for them (oldest first; on
-  CUDA a device-side wait): the copies overlap compute only within the budget.
+* **Budget.** If the memory in use plus what the coming stage needs is above the budget while
+  swap-outs are still copying, the step waits for them (oldest first; on CUDA a device-side
+  wait): the copies overlap compute only within the budget. What a stage needs: the most the
+  counter rose during it in the previous step, or, where the profile names the unit, the
+  profile's bytes for its stage (activations, an unsaved output and the transient peak inside
+  its ops, which the counter, read between ops, does not see) if that is more.
 * **Prefetch in backward order (Algorithm 4, "and").** At the end of the forward and whenever the
   backward reaches a new unit, swapped records are copied back in the order the backward needs
   them (the last reader first), at most ``prefetch_depth`` ahead of use, while the copy fits under
@@ -589,6 +592,9 @@ class _Policy:
     def _keep_budget(self, s: int, used: int) -> int:
         """Wait for swap-outs (oldest first) while the coming stage would not fit otherwise."""
         grow = self.growth[s] if s < len(self.growth) else 0
+        names = self.st.names
+        if s < len(names):
+            grow = max(grow, self.ex.stage_bytes.get(names[s], 0))
         if used + grow <= self.budget or not self.pending_bytes():
             return used
         wait = getattr(self.backend, "release_offload", None) or getattr(self.backend, "wait_offload", None)
@@ -780,7 +786,9 @@ class DeltaExecutor(Executor):
     prefetcher's limit of copies back ahead of use. ``bandwidth``: (d2h, h2d) bytes/s for the
     director (default: :func:`transfer_bandwidth` of the backend, measured once). ``unit_times``:
     unit name -> forward seconds (a profile's ``fwd_time``; default: measured in each step).
-    ``constant_bytes``: on CPU, bytes the counter cannot see that the budget counts (optimizer
+    ``stage_bytes``: unit name -> the most its forward stage allocates above its start (a
+    profile's ``act_bytes``, unsaved ``output_bytes`` and ``fwd_transient_bytes``), for the wait
+    that keeps a stage within the budget. ``constant_bytes``: on CPU, bytes the counter cannot see that the budget counts (optimizer
     state). ``memory_counter``: a function returning the device bytes in use, instead of
     live_memory.py's counter."""
 
@@ -795,6 +803,7 @@ class DeltaExecutor(Executor):
         prefetch_lookahead: int = 2,
         bandwidth: Optional[Tuple[float, float]] = None,
         unit_times: Optional[Mapping[str, float]] = None,
+        stage_bytes: Optional[Mapping[str, int]] = None,
         constant_bytes: int = 0,
         memory_counter: Optional[Callable[[], int]] = None,
         adaptive: bool = True,
@@ -819,6 +828,7 @@ class DeltaExecutor(Executor):
         self.prefetch_lookahead = int(prefetch_lookahead)
         self._bandwidth = tuple(float(b) for b in bandwidth) if bandwidth is not None else None
         self.profile_times = dict(unit_times) if unit_times else {}
+        self.stage_bytes = {str(k): int(v) for k, v in (stage_bytes or {}).items()}
         self.constant_bytes = int(constant_bytes)
         self._memory_counter = memory_counter
         self._counter: Optional[LiveMemory] = None
