@@ -788,8 +788,8 @@ class DeltaExecutor(Executor):
     unit name -> forward seconds (a profile's ``fwd_time``; default: measured in each step).
     ``stage_bytes``: unit name -> the most its forward stage allocates above its start (a
     profile's ``act_bytes``, unsaved ``output_bytes`` and ``fwd_transient_bytes``), for the wait
-    that keeps a stage within the budget. ``constant_bytes``: on CPU, bytes the counter cannot see that the budget counts (optimizer
-    state). ``memory_counter``: a function returning the device bytes in use, instead of
+    that keeps a stage within the budget. ``constant_bytes``: on CPU, bytes the counter cannot
+    see that the budget counts (optimizer state). ``memory_counter``: a function returning the device bytes in use, instead of
     live_memory.py's counter."""
 
     def __init__(

@@ -36,8 +36,8 @@ class DeltaRuntime:
     def executor_kwargs(self) -> Dict[str, Any]:
         return dict(threshold=self.threshold, prefetch_depth=self.prefetch_depth,
                     prefetch_lookahead=self.prefetch_lookahead, headroom=self.headroom, bandwidth=self.bandwidth,
-                    unit_times=dict(self.unit_times), stage_bytes=dict(self.stage_bytes), constant_bytes=self.constant_bytes,
-                    memory_counter=self.memory_counter)
+                    unit_times=dict(self.unit_times), stage_bytes=dict(self.stage_bytes),
+                    constant_bytes=self.constant_bytes, memory_counter=self.memory_counter)
 
 
 def delta(
@@ -64,8 +64,8 @@ def delta(
 
     ``profile``: a Profile (``tensorplace.profiler.profile_model``, or ``plan.profile``) whose
     units' ``fwd_time`` and copy bandwidths the director uses, and whose units' stage bytes
-    (activations, unsaved output, transient peak) the wait for swap-outs before a stage uses; without one, unit times are
-    measured in each step's forward and the bandwidth once from the backend. ``bandwidth``:
+    (activations, unsaved output, transient peak) the wait for swap-outs before a stage uses;
+    without one, unit times are measured in each step's forward and the bandwidth once from the backend. ``bandwidth``:
     (d2h, h2d) bytes/s, overriding both. ``constant_bytes``: on CPU, bytes the budget counts that
     the executor cannot see (optimizer state). ``memory_counter``: a function returning the device
     bytes in use, replacing the built-in counter (cuda_exec/cuda_exec/live_memory.py)."""
