@@ -202,6 +202,8 @@ def test_unplanned_step_stats_agree_with_the_profile(resnet, resnet_b4):
     assert stats["peak_bytes"] == pytest.approx(resnet_b4["measured"]["peak_bytes"], rel=0.02)
     assert stats["constant_bytes"] == sum(resnet_b4["memory"].values())
     assert stats["step_time"] > 0 and len(stats["step_times"]) == 2
+    # what the step left allocated is its gradients: every free was recorded
+    assert stats["end_delta_bytes"] == sum(p.numel() * p.element_size() for p in resnet.parameters() if p.requires_grad)
 
 
 # ------------------------------------------------------------------------------------ small MLPs

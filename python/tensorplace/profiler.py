@@ -1336,7 +1336,8 @@ def unplanned_step_stats(
 
     Returns {"peak_bytes": constant memory + the step's peak of torch's allocations (the same
     accounting as a Profile's measured.peak_bytes), "peak_delta_bytes": the peak above the
-    memory at the step's start, "constant_bytes", "step_time": median seconds, "step_times"}.
+    memory at the step's start, "end_delta_bytes": what the step left allocated (its gradients,
+    when every free was recorded), "constant_bytes", "step_time": median seconds, "step_times"}.
     The model is left as found."""
     args, dev = _prepare(model, example_inputs, None)
     if int(repeats) < 1:
@@ -1362,6 +1363,7 @@ def unplanned_step_stats(
     return {
         "peak_bytes": constant + delta,
         "peak_delta_bytes": delta,
+        "end_delta_bytes": int(trace.final_bytes),
         "constant_bytes": constant,
         "step_time": statistics.median(times),
         "step_times": times,

@@ -66,7 +66,9 @@ def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable
             same = _same(_grads(fast, params, inputs, loss_fn), reference)
         finally:
             fast.close()
-        return {"measured_peak_bytes": stats["peak_bytes"], "fits": stats["peak_bytes"] <= plan.budget_bytes,
+        # end_delta_bytes: the step's gradients unless a free went unrecorded (a diagnostic of a row that does not fit)
+        return {"measured_peak_bytes": stats["peak_bytes"], "end_delta_bytes": stats["end_delta_bytes"],
+                "fits": stats["peak_bytes"] <= plan.budget_bytes,
                 "bitwise": same, "predicted_peak_bytes": plan.predicted["peak_bytes"], "counts": plan.counts()}
 
     rows: List[Dict[str, Any]] = []
