@@ -1111,14 +1111,14 @@ def test_device_bytes_handed_back_by_a_fetch_go_with_the_callers_tensor(prefetch
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
-def test_bytes_the_caller_lets_go_of_during_their_copy_are_freed_on_the_callers_thread(
+def test_bytes_the_caller_lets_go_of_during_their_copy_are_freed_by_the_caller(
         monkeypatch: pytest.MonkeyPatch, direction: str) -> None:
-    """The copy thread reads a tensor while the caller lets go of it (a fetch cancels a running
-    offload and the backward drops it; a release during a prefetch's copy). The copy thread's
-    reference is then the last one, and a free on that thread is invisible to torch's profiler
-    (its allocation records are per thread): the step measured above its plan's prediction, once
-    in a CI run of the zoo test and once in the DELTA runtime's budget test. Such tensors go to
-    poll(), on the caller's thread."""
+    """A fetch while the offload is copying the bytes (the backward needs them), or a release
+    while the copy back runs, waits for the copy thread to be done with them. Otherwise the copy
+    thread's reference could be the last, and its free would be invisible to torch's profiler,
+    whose allocation records are per thread: a zoo model's swap plan measured the 65,536 bytes
+    of one storage held to the end of its step, 8,320 bytes over its budget (1 in 36 runs of
+    tests/test_zoo.py)."""
     import threading
 
     import numpy as np
@@ -1140,11 +1140,10 @@ def test_bytes_the_caller_lets_go_of_during_their_copy_are_freed_on_the_callers_
         h = be.offload(torch.ones(n, dtype=torch.uint8))
         if direction == "d2h":
             assert started.wait(10)  # the offload is copying
-            out = be.fetch(h)  # cancels it; the copy thread still reads the bytes
+            threading.Timer(0.2, go.set).start()
+            out = be.fetch(h)  # waits for the copy to be done with the bytes
             assert out.sum().item() == n
-            del out  # the caller is done with them
-            go.set()
-            h.offload_done.wait(10)
+            del out  # the last reference: freed here
         else:
             go.set()
             be.synchronize()
@@ -1153,12 +1152,9 @@ def test_bytes_the_caller_lets_go_of_during_their_copy_are_freed_on_the_callers_
             go.clear()
             be.prefetch(h)
             assert started.wait(10)  # the copy back is running
-            be.release(h)  # the caller gives the handle up
-            go.set()
-            h.prefetch_done.wait(10)
-        be.synchronize()
-        be.poll()
-        be.release(h)
+            threading.Timer(0.2, go.set).start()
+        be.release(h)  # after any copy of the handle: its device bytes go here
+        # no poll(): every free of this step has happened on this thread already
 
     try:
         monkeypatch.setattr(cpu_backend.np, "copyto", gated_copyto)

@@ -32,7 +32,7 @@ class CpuHostHandle:
 
     __slots__ = (
         "nbytes", "buf", "source", "device_tensor", "offload_done", "prefetch_done",
-        "prefetch_issued", "cancelled", "released", "pending", "error", "keep_source", "__weakref__",
+        "prefetch_issued", "cancelled", "released", "pending", "error", "keep_source", "copy_idle", "__weakref__",
     )
 
     def __init__(self, nbytes: int, buf: np.ndarray, source: torch.Tensor) -> None:
@@ -50,6 +50,9 @@ class CpuHostHandle:
         self.error: Optional[BaseException] = None  #: why a copy of this handle failed
         #: prefetched before its offload completed: the device bytes stay for fetch
         self.keep_source = False
+        #: clear while the copy thread holds a reference to this handle's device bytes
+        self.copy_idle = threading.Event()
+        self.copy_idle.set()
 
 
 @dataclass
@@ -230,16 +233,21 @@ class CpuBackend:
         h = handle
         if h.released:
             raise RuntimeError("fetch of a released host handle")
-        with self._lock:  # against the copy thread's _let_go
-            src = h.source
-            if src is not None:
-                # the offload is cancelled (a copy already running keeps its own reference until
-                # it ends, then hands it to poll()): from here the caller's tensor keeps the device
-                # bytes, so they go when the caller lets go of them, not when the copy thread
-                # reaches the queued offload
-                h.cancelled = True
-                h.source = None
-                h.device_tensor = None
+        while True:
+            with self._lock:  # against the copy thread, which reads and lets go under it
+                src = h.source
+                if src is None or h.copy_idle.is_set():
+                    if src is not None:
+                        # the offload is cancelled if it has not run: from here the caller's
+                        # tensor alone keeps the device bytes, so they go when the caller lets go
+                        # of them, not when the copy thread reaches the offload
+                        h.cancelled = True
+                        h.source = None
+                        h.device_tensor = None
+                    break
+            t0 = time.perf_counter()
+            self._wait_copy_idle(h)  # the offload is copying these bytes: let it finish with them
+            self._fetch_wait += time.perf_counter() - t0
         if src is not None:
             return src
         if h.cancelled:
@@ -265,15 +273,20 @@ class CpuBackend:
     def release(self, handle: CpuHostHandle) -> None:
         """Return the host buffer to the pool (after any copy still queued for it)."""
         h = handle
-        with self._lock:
-            if h.released:
-                return
-            h.released = True
-            h.cancelled = True
-            h.source = None  # a queued offload is skipped; a running one holds its own reference
-            h.device_tensor = None
-            if h.pending == 0:
-                self._give_back(h)
+        while True:
+            self._wait_copy_idle(h)
+            with self._lock:
+                if not h.copy_idle.is_set():
+                    continue  # a copy started meanwhile
+                if h.released:
+                    return
+                h.released = True
+                h.cancelled = True
+                h.source = None  # a queued offload is skipped (a running one was waited for)
+                h.device_tensor = None
+                if h.pending == 0:
+                    self._give_back(h)
+            return
 
     def synchronize(self) -> None:
         """Wait for every queued copy."""
@@ -365,6 +378,16 @@ class CpuBackend:
             if left > 0:
                 time.sleep(left)
 
+    def _wait_copy_idle(self, h: CpuHostHandle) -> None:
+        """Wait while the copy thread holds a reference to ``h``'s device bytes (a copy of them is
+        running), so that the caller's reference is the last one once the caller has them: their
+        free then happens on the caller's thread when its last reader lets go, where torch's
+        profiler records it and the cost model has it (a fetch that cancelled a running offload
+        otherwise left the copy thread with the last reference: a zoo row measured 65,536 bytes
+        held to the end of its step)."""
+        while not h.copy_idle.wait(0.1):
+            self._check()
+
     def _let_go(self, h: CpuHostHandle, t: Optional[torch.Tensor], attr: str) -> None:
         """The copy thread is done with ``t``, read from ``h.<attr>``: if the caller has let go of
         it meanwhile, the copy thread's reference may be the last, so it goes to poll() (called
@@ -384,12 +407,15 @@ class CpuBackend:
                 if op == "d2h":
                     with self._lock:  # one read: fetch() and release() may drop it meanwhile
                         src = h.source
+                        if src is not None:
+                            h.copy_idle.clear()
                     if not h.cancelled and h.buf is not None and src is not None:
                         t0 = time.perf_counter()
                         np.copyto(h.buf, src.numpy())
                         with self._lock:
                             self._let_go(h, src, "source")
                             src = None
+                            h.copy_idle.set()
                         self._throttle(h.nbytes, t0)
                     elif h.cancelled:
                         with self._lock:
@@ -400,6 +426,8 @@ class CpuBackend:
                 else:  # h2d
                     with self._lock:
                         dt = h.device_tensor
+                        if dt is not None:
+                            h.copy_idle.clear()
                     if not h.released and not h.cancelled and h.buf is not None and dt is not None:
                         t0 = time.perf_counter()
                         np.copyto(dt.numpy(), h.buf)
@@ -407,6 +435,7 @@ class CpuBackend:
                     with self._lock:  # before fetch() can hand the tensor out and its reader drop it
                         self._let_go(h, dt, "device_tensor")
                         dt = None
+                        h.copy_idle.set()
                     h.prefetch_done.set()
             except BaseException as e:  # surfaced by _check() and by this handle's fetch
                 h.error = e
@@ -418,6 +447,7 @@ class CpuBackend:
                     self._let_go(h, src, "source")
                     self._let_go(h, dt, "device_tensor")
                     src = dt = None
+                    h.copy_idle.set()
                     h.pending -= 1
                     if h.released and h.pending == 0:
                         self._give_back(h)
