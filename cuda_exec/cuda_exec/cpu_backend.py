@@ -104,10 +104,6 @@ class CpuBackend:
         #: offloads whose copy has run; their sources are dropped by poll() on the caller's thread,
         #: so that the device bytes are freed where torch's profiler sees it, at a stage boundary
         self._done: List[CpuHostHandle] = []
-        #: device tensors the copy thread held when the caller let go of them (a fetch or release
-        #: during their copy): freed by poll() on the caller's thread, never on the copy thread,
-        #: where the profiler would not see the free and the bytes would go at no stage boundary
-        self._orphans: List[torch.Tensor] = []
         self._thread = threading.Thread(target=self._worker, name="tensorplace-copy", daemon=True)
         self._thread.start()
 
@@ -178,8 +174,6 @@ class CpuBackend:
             self._check()
         with self._lock:
             done, self._done = self._done, []
-            orphans, self._orphans = self._orphans, []
-        del orphans  # freed here, on the caller's thread
         freed = 0
         for h in done:
             if not h.keep_source:
@@ -329,7 +323,6 @@ class CpuBackend:
             self._closed = True
             self._pool.clear()
             self._heap_bytes = 0
-            self._orphans.clear()
             for h in list(self._live.values()):
                 h.buf = None
                 h.source = None
@@ -388,13 +381,6 @@ class CpuBackend:
         while not h.copy_idle.wait(0.1):
             self._check()
 
-    def _let_go(self, h: CpuHostHandle, t: Optional[torch.Tensor], attr: str) -> None:
-        """The copy thread is done with ``t``, read from ``h.<attr>``: if the caller has let go of
-        it meanwhile, the copy thread's reference may be the last, so it goes to poll() (called
-        with self._lock held)."""
-        if t is not None and getattr(h, attr) is not t:
-            self._orphans.append(t)
-
     def _worker(self) -> None:
         while True:
             item = self._queue.get()
@@ -412,10 +398,8 @@ class CpuBackend:
                     if not h.cancelled and h.buf is not None and src is not None:
                         t0 = time.perf_counter()
                         np.copyto(h.buf, src.numpy())
-                        with self._lock:
-                            self._let_go(h, src, "source")
-                            src = None
-                            h.copy_idle.set()
+                        src = None  # never the last reference: fetch() and release() wait for this
+                        h.copy_idle.set()
                         self._throttle(h.nbytes, t0)
                     elif h.cancelled:
                         with self._lock:
@@ -432,10 +416,8 @@ class CpuBackend:
                         t0 = time.perf_counter()
                         np.copyto(dt.numpy(), h.buf)
                         self._throttle(h.nbytes, t0)
-                    with self._lock:  # before fetch() can hand the tensor out and its reader drop it
-                        self._let_go(h, dt, "device_tensor")
-                        dt = None
-                        h.copy_idle.set()
+                    dt = None  # before fetch() can hand the tensor out and its reader drop it
+                    h.copy_idle.set()
                     h.prefetch_done.set()
             except BaseException as e:  # surfaced by _check() and by this handle's fetch
                 h.error = e
@@ -443,11 +425,9 @@ class CpuBackend:
                 h.offload_done.set()
                 h.prefetch_done.set()
             finally:
+                src = dt = None
+                h.copy_idle.set()
                 with self._lock:
-                    self._let_go(h, src, "source")
-                    self._let_go(h, dt, "device_tensor")
-                    src = dt = None
-                    h.copy_idle.set()
                     h.pending -= 1
                     if h.released and h.pending == 0:
                         self._give_back(h)

@@ -382,6 +382,12 @@ def _last_fwd_readers(units: Sequence[Dict[str, Any]]) -> List[int]:
     return last
 
 
+def fwd_stage_alloc_bytes(unit: Dict[str, Any]) -> int:
+    """What forward stage Fi allocates for unit ``unit`` (docs/cost-model.md): its activations,
+    plus its output when the output is not saved."""
+    return int(unit["act_bytes"]) + (0 if unit.get("output_saved", True) else int(unit.get("output_bytes", 0)))
+
+
 def _counted_all_retain(units: Sequence[Dict[str, Any]], constant: int) -> Tuple[List[int], List[int]]:
     """What the evaluator's all-retain walk counts at each stage before transients:
     (fwd[i], bwd[i]) = memory at the stage's start plus what the stage allocates."""
@@ -398,7 +404,7 @@ def _counted_all_retain(units: Sequence[Dict[str, Any]], constant: int) -> Tuple
     mem = constant
     fwd = [0] * n
     for i, u in enumerate(units):
-        alloc = u["act_bytes"] + (0 if u.get("output_saved", True) else u.get("output_bytes", 0))
+        alloc = fwd_stage_alloc_bytes(u)
         fwd[i] = mem + alloc
         mem += alloc
         for r in releases[i]:

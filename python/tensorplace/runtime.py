@@ -65,8 +65,8 @@ def delta(
     ``profile``: a Profile (``tensorplace.profiler.profile_model``, or ``plan.profile``) whose
     units' ``fwd_time`` and copy bandwidths the director uses, and whose units' stage bytes
     (activations, unsaved output, transient peak) the wait for swap-outs before a stage uses;
-    without one, unit times are measured in each step's forward and the bandwidth once from the backend. ``bandwidth``:
-    (d2h, h2d) bytes/s, overriding both. ``constant_bytes``: on CPU, bytes the budget counts that
+    without one, unit times are measured in each step's forward and the bandwidth once from the
+    backend. ``bandwidth``: (d2h, h2d) bytes/s, overriding both. ``constant_bytes``: on CPU, bytes the budget counts that
     the executor cannot see (optimizer state). ``memory_counter``: a function returning the device
     bytes in use, replacing the built-in counter (cuda_exec/cuda_exec/live_memory.py)."""
     times: Dict[str, float] = {}
@@ -74,8 +74,10 @@ def delta(
     bw = bandwidth
     if profile is not None:
         times = {str(u["name"]): float(u["fwd_time"]) for u in profile.get("units", [])}
-        stage = {str(u["name"]): int(u["act_bytes"]) + (0 if u.get("output_saved") else int(u["output_bytes"]))
-                 + int(u.get("fwd_transient_bytes", 0)) for u in profile.get("units", [])}
+        from .profiler import fwd_stage_alloc_bytes
+
+        stage = {str(u["name"]): fwd_stage_alloc_bytes(u) + int(u.get("fwd_transient_bytes", 0))
+                 for u in profile.get("units", [])}
         if bw is None and profile.get("d2h_bandwidth") and profile.get("h2d_bandwidth"):
             bw = (float(profile["d2h_bandwidth"]), float(profile["h2d_bandwidth"]))
     if not 0.0 < float(threshold) <= 1.0:
