@@ -65,21 +65,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .executor import (
-    Executor,
-    ExecutorModule,
-    ReplayError,
-    StepAbortedError,
-    StepStats,
-    _Entry,
-    _Handle,
-    _alive,
-    _InputSlot,
-    _new_entry,
-    _PlanTracker,
-    _StepState,
-    _UnitRuntime,
-)
+from .errors import ReplayError, StepAbortedError, StepStats
+from .executor import Executor, ExecutorModule
+from .learn import _PlanTracker
+from .recorded_replay import _InputSlot, _UnitRuntime
+from .step_state import _alive, _Entry, _Handle, _new_entry, _StepState
 from .live_memory import LiveMemory, live_memory_for
 from .units import InputRef, PackInfo, Segment, UnitSpec, ValueRec, ViewMeta, model_input_position
 from .verify import check, checksum

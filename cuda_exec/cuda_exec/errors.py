@@ -1,0 +1,48 @@
+"""The executor's errors and what one planned step did (:class:`StepStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+__all__ = ["PlanMismatchError", "StepAbortedError", "ReplayError", "StepStats"]
+
+
+class PlanMismatchError(RuntimeError):
+    """The model's unit sequence in this step does not match the plan (data-dependent control
+    flow, another model, or other unit choices)."""
+
+
+class StepAbortedError(RuntimeError):
+    """A saved tensor of an aborted step was needed."""
+
+
+class ReplayError(RuntimeError):
+    """A recomputed unit could not be replayed exactly."""
+
+
+@dataclass
+class StepStats:
+    """What one planned step did (filled in during forward and backward)."""
+
+    units: int = 0
+    swap_storages: int = 0  #: storages offloaded
+    swap_bytes: int = 0  #: bytes offloaded
+    dropped_tensors: int = 0  #: saved tensors dropped for recomputation
+    replays: int = 0  #: unit replays
+    replay_s: float = 0.0  #: time spent replaying
+    fetch_s: float = 0.0  #: time spent in fetches (waiting for late copies included)
+    #: host time spent at swap deadlines (the swap-outs the plan says are done before a stage):
+    #: the whole wait on CPU, only the calls that queue a device-side wait on CUDA
+    deadline_wait_s: float = 0.0
+    deadline_waits: int = 0  #: swap-outs waited for at their deadline
+    prefetches: int = 0  #: prefetches issued by the schedule
+    prefetch_stages: List[int] = field(default_factory=list)  #: backward stages that issued, in order
+    unscheduled_fetches: int = 0  #: swapped storages fetched without a scheduled prefetch
+    held_bytes: int = 0  #: bytes held for replays (held inputs and protective copies)
+    #: recomputed unit -> {forward stage: bytes of the unit's dropped tensors (storages, each once)
+    #: that the forward itself still held at the start of that stage} (they leave the device only
+    #: when the forward lets go of them); the last entry is the end of the forward
+    dropped_alive: Dict[int, Dict[int, int]] = field(default_factory=dict)
+    aborted: bool = False
+

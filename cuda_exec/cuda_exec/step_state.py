@@ -1,0 +1,440 @@
+"""What one planned step owns: swap entries, the handles autograd keeps for moved or dropped
+saved tensors, stage boundaries (swap-out queueing, swap deadlines, prefetches) and abort."""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .errors import ReplayError, StepAbortedError, StepStats
+from .state_swap import StateSwapper
+from .units import ValueRec, ViewMeta
+from .verify import check, note_out_of_memory
+
+if TYPE_CHECKING:
+    from .executor import Executor
+    from .recorded_replay import _InputSlot, _UnitRuntime
+
+#: Prefix of the zero-length profiler ranges the executor drops around every replay,
+#: ``tensorplace::R<unit>`` before the segment runs and ``tensorplace::r<unit>`` after it, so that a
+#: memory trace (torch.profiler with profile_memory) can be cut at replays. The profiler measures
+#: ``replay_transient_bytes`` with them.
+MARK_PREFIX = "tensorplace::"
+
+#: model -> its live executors: a forward of any of them aborts the interrupted steps of all
+#: (a failed step of an earlier ``run()`` on the same model must not keep its tensors alive)
+_EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Executor]]" = weakref.WeakKeyDictionary()
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
+def _mark(label: str) -> None:
+    if _profiler_enabled():
+        with torch.profiler.record_function(MARK_PREFIX + label):
+            pass
+
+
+def replay_state_bytes(device: Any) -> int:
+    """Bytes of ``device`` memory a recomputed unit keeps from its forward to its replay besides
+    its held inputs: the random-number generator states restored for the replay. They are CPU
+    tensors, so this is 0 on a GPU and the CPU generator's state size on the CPU."""
+    return torch.get_rng_state().untyped_storage().nbytes() if torch.device(device).type == "cpu" else 0
+
+
+def default_backend(device: torch.device) -> Any:
+    """The backend for tensors on ``device``: CpuBackend on CPU, CudaBackend on CUDA."""
+    if device.type == "cuda":
+        from .cuda_backend import CudaBackend  # type: ignore[import-not-found]
+
+        return CudaBackend()
+    from .cpu_backend import CpuBackend
+
+    return CpuBackend()
+
+
+# ------------------------------------------------------------------------------------------
+# Step state: swap entries, recompute runtimes, handles
+# ------------------------------------------------------------------------------------------
+
+
+def _alive(ref: "weakref.ReferenceType[_StepState]") -> "_StepState":
+    state = ref()
+    if state is None:
+        raise StepAbortedError("the step this belongs to is gone")
+    return state
+
+
+#: ``_Entry.host`` before the entry's copy is queued
+_QUEUED_LATER: Any = object()
+
+
+class _Entry:
+    """One swapped storage version: one copy, queued at the end of the segment that saved it."""
+
+    __slots__ = ("_state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
+                 "ref", "version", "source")
+
+    def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
+        self._state = weakref.ref(state)  # the state holds its entries: no cycle (see _StepState)
+        self.unit = unit
+        self.value = value  #: the ValueRec (full path) or the pack index (lean path) it is keyed by
+        st = t.untyped_storage()
+        self.ref = StorageWeakRef(st)  #: which storage, to check that a later pack is the same one
+        self.version = t._version
+        self.nbytes = st.nbytes()
+        self.device = t.device
+        #: the storage as bytes until the copy is queued at the end of the segment that saved it
+        #: (``queue_offload``): a kernel may still write other parts of the storage without
+        #: bumping its version (a GRU cell's chunked gates), so the copy waits for the segment's end
+        self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        self.host: Any = _QUEUED_LATER
+        state.unqueued.append(self)
+        state.swapped[(self.ref.cdata, self.version)] = self
+        self.fetched: Optional[torch.Tensor] = None
+        self.refs = 0
+        self.prefetched = False
+
+    @property
+    def state(self) -> "_StepState":
+        return _alive(self._state)
+
+    def queue_offload(self) -> None:
+        """Queue the device-to-host copy (once)."""
+        if self.host is _QUEUED_LATER and self.source is not None:
+            source, self.source = self.source, None
+            self.host = self.state.backend.offload(source)
+
+    def prefetch(self) -> None:
+        self.queue_offload()
+        if self.host is not None and self.fetched is None and not self.prefetched:
+            self.prefetched = True
+            self.state.backend.prefetch(self.host)
+            self.state.stats.prefetches += 1
+
+    def storage(self) -> torch.UntypedStorage:
+        if self.fetched is None:
+            if self.host is _QUEUED_LATER and self.source is not None:
+                return self.source.untyped_storage()  # needed before its copy was queued: still here
+            if self.host is None:
+                raise StepAbortedError("a swapped tensor of an aborted step was needed")
+            if not self.prefetched:
+                self.state.stats.unscheduled_fetches += 1
+            t0 = time.perf_counter()
+            self.fetched = self.state.backend.fetch(self.host)
+            self.state.stats.fetch_s += time.perf_counter() - t0
+        return self.fetched.untyped_storage()
+
+    def incref(self) -> None:
+        self.refs += 1
+
+    def decref(self) -> None:
+        self.refs -= 1
+        if self.refs <= 0:
+            self.free()
+
+    def free(self) -> None:
+        self.fetched = None
+        self.source = None
+        if self.host is _QUEUED_LATER:
+            self.host = None
+        if self.host is not None:
+            host, self.host = self.host, None
+            self.state.backend.release(host)
+        if self.state.entries.get(self.value) is self:
+            del self.state.entries[self.value]
+        key = (self.ref.cdata, self.version)
+        if self.state.swapped.get(key) is self:
+            del self.state.swapped[key]
+
+
+def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor) -> _Entry:
+    """A new swap entry of ``owner`` for ``t``'s storage, kept by ``key`` (counted in the stats)."""
+    entry = _Entry(state, owner, key, t)
+    state.entries[key] = entry
+    state.by_unit[owner].append(entry)
+    state.stats.swap_storages += 1
+    state.stats.swap_bytes += entry.nbytes
+    return entry
+
+
+
+class _Handle:
+    """What autograd keeps for a swapped or dropped saved tensor."""
+
+    __slots__ = ("state", "meta", "device", "digest", "what", "__weakref__")
+
+    def __init__(self, state: "_StepState", meta: ViewMeta, device: torch.device, digest: Optional[str], what: str) -> None:
+        self.state = state
+        self.meta = meta
+        self.device = device
+        self.digest = digest
+        self.what = what
+
+    def unpack(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _SwapHandle(_Handle):
+    __slots__ = ("entry",)
+
+    def __init__(self, state: "_StepState", entry: _Entry, meta: ViewMeta, device: torch.device,
+                 digest: Optional[str], what: str) -> None:
+        super().__init__(state, meta, device, digest, what)
+        self.entry = entry
+        entry.incref()
+
+    def unpack(self) -> torch.Tensor:
+        self.state.check_alive()
+        t = self.meta.view_of(self.entry.storage(), self.device)
+        check(t, self.digest, self.what)
+        return t
+
+    def __del__(self) -> None:
+        try:
+            if not self.state.dead:
+                self.entry.decref()
+        except Exception:  # pragma: no cover - never raise from __del__
+            pass
+
+
+class _ReplayHandle(_Handle):
+    __slots__ = ("rt", "slot", "value")
+
+    def __init__(self, state: "_StepState", rt: _UnitRuntime, slot: Optional[int], value: Optional[ValueRec],
+                 meta: ViewMeta, device: torch.device, digest: Optional[str], what: str) -> None:
+        super().__init__(state, meta, device, digest, what)
+        self.rt = rt
+        self.slot = slot
+        self.value = value
+        if slot is not None:
+            rt.slot_refs.add(slot)
+        else:
+            rt.value_refs[value] += 1
+
+    def unpack(self) -> torch.Tensor:
+        self.state.check_alive()
+        self.rt.ensure_replayed()
+        if self.slot is not None:
+            t = self.rt.slots.get(self.slot)
+            if t is None:
+                raise ReplayError(f"unit {self.rt.unit}: saved tensor {self.slot} was not regenerated")
+        else:
+            base = self.rt.values.get(self.value)  # type: ignore[arg-type]
+            if base is None:
+                raise ReplayError(f"unit {self.rt.unit}: a saved value was not regenerated")
+            t = self.meta.view_of(base.untyped_storage(), self.device)
+        check(t, self.digest, self.what, replayed=True)
+        return t
+
+    def __del__(self) -> None:
+        try:
+            if not self.state.dead:
+                if self.slot is not None:
+                    self.rt.decref_slot(self.slot)
+                else:
+                    self.rt.decref_value(self.value)  # type: ignore[arg-type]
+        except Exception:  # pragma: no cover
+            pass
+
+
+class _StepState:
+    """Everything one planned forward/backward owns. Its entries, input slots and unit runtimes
+    refer back to it weakly (the graph's handles hold it), so a step is freed by reference
+    counting when its graph goes: no cycle keeps its objects to a later garbage collection."""
+
+    def __init__(self, ex: "Executor") -> None:
+        self.backend = ex.backend
+        self.actions = ex.actions
+        self.names: List[str] = []
+        self.plan_names = ex.names
+        self.verify = ex.verify
+        self.prefetch_at = ex.prefetch_at
+        self.swap_deadlines = ex.swap_deadlines
+        self.run_start = ex.run_start
+        self.stats = StepStats()
+        #: swap entries by ValueRec (full steps) or by their first pack (steady steps)
+        self.entries: Dict[Any, _Entry] = {}
+        #: swap entries by (storage, version), whichever step made them
+        self.swapped: Dict[Tuple[int, int], _Entry] = {}
+        self.by_unit: Dict[int, List[_Entry]] = defaultdict(list)
+        self.runtimes: Dict[int, "_UnitRuntime"] = {}
+        self.direct_slots: Dict[ValueRec, List["_InputSlot"]] = defaultdict(list)
+        #: storage key -> (unit, storage, bytes) of tensors dropped for recomputation that the
+        #: forward may still hold
+        self.dropped: Dict[int, Tuple[int, StorageWeakRef, int]] = {}
+        self.fired: Set[int] = set()
+        self.dead = False
+        self.backward_running = False
+        self._warned = False
+        self.kept: Set[str] = set()  #: stage labels whose swap deadlines were kept
+        self.unqueued: List["_Entry"] = []  #: swapped storages whose copy waits for a stage boundary
+        self.finished = False  #: a backward of this step ran to its end
+        #: a failed step also removes the executor's unit hooks (the next step re-learns)
+        self.on_abort = ex._uninstall
+        self.replay_anchor = ex._replay_anchor
+        #: parameters and optimizer state swapped across iterations (None: the plan swaps none)
+        self.swapper: Optional[StateSwapper] = ex.swapper
+
+    def drop(self, unit: int, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ref = StorageWeakRef(st)
+        if ref.cdata not in self.dropped:
+            self.dropped[ref.cdata] = (unit, ref, st.nbytes())
+
+    def note_dropped_alive(self, stage: int) -> None:
+        """At the start of forward stage ``stage`` (``units`` after the last one): the dropped
+        tensors the forward still holds (StepStats.dropped_alive)."""
+        alive = self.stats.dropped_alive
+        for key, (unit, ref, nbytes) in list(self.dropped.items()):
+            if ref.expired():
+                del self.dropped[key]
+            else:
+                per_stage = alive.setdefault(unit, {})
+                per_stage[stage] = per_stage.get(stage, 0) + nbytes
+
+    def check_alive(self) -> None:
+        if self.dead:
+            raise StepAbortedError("this step was aborted; run a new forward")
+
+    def action(self, unit: int) -> str:
+        return self.actions[unit] if 0 <= unit < len(self.actions) else "retain"
+
+    def abort(self) -> None:
+        """Drop everything: host buffers, fetched and replayed tensors, held inputs."""
+        if self.dead:
+            return
+        self.dead = True
+        self.stats.aborted = True
+        if isinstance(sys.exc_info()[1], torch.OutOfMemoryError):
+            note_out_of_memory()  # verify mode then names the likely cause of a replay that differs
+        self.on_abort()
+        for e in list(self.entries.values()):
+            e.free()
+        for lst in self.by_unit.values():
+            for e in lst:
+                e.free()
+        self.entries.clear()
+        self.swapped.clear()
+        self.by_unit.clear()
+        from .recorded_replay import _InputSlot
+
+        for rt in self.runtimes.values():
+            rt.slots.clear()
+            rt.values.clear()
+            for ref in rt.seg.inputs:
+                slot = ref.slot
+                ref.slot = None
+                if isinstance(slot, _InputSlot):
+                    slot.tensor = None
+                    slot.entry = None
+                    slot.rt = None
+                    slot.kind = "released"
+            rt.inputs_released = True
+        self.direct_slots.clear()
+        self.dropped = {}
+
+    def enter_backward(self) -> None:
+        """Called by the executor's hooks in backward: note that a backward of this step runs
+        until the engine's end-of-backward callback says it finished (it does not on errors)."""
+        if not self.backward_running and torch._C._current_graph_task_id() != -1:
+            self.backward_running = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self.backward_running = False
+        self.finished = True
+
+    def guarded(self, fn: Any) -> Any:
+        """Wrap a backward-time callback so any exception aborts the step first."""
+
+        def run(*a: Any) -> Any:
+            try:
+                return fn(*a)
+            except BaseException:
+                self.abort()
+                raise
+
+        return run
+
+    def stage_boundary(self, label: str) -> None:
+        """At the start of a stage: free the device bytes of completed swap-outs, and wait for
+        the swap-outs the plan says have left the device before this stage (the cost model's
+        swap deadlines), so the executor's memory follows the model's."""
+        if self.unqueued:
+            entries, self.unqueued = self.unqueued, []
+            for e in entries:
+                e.queue_offload()
+        poll = getattr(self.backend, "poll", None)
+        if poll is not None:
+            poll()
+        self._keep_deadlines(label)
+        if self.swapper is not None:
+            # after the deadlines: the model lets swap-outs leave before a prefetch allocates
+            self.swapper.at_stage(label)
+
+    def _keep_deadlines(self, label: str) -> None:
+        units = self.swap_deadlines.get(label)
+        if not units or label in self.kept:
+            return
+        self.kept.add(label)
+        # release_offload: the compute stream waits for the copy and the source is dropped (CUDA:
+        # a device-side wait, the host does not block; CPU: no streams, the host waits)
+        wait = getattr(self.backend, "release_offload", None) or getattr(self.backend, "wait_offload", None)
+        if wait is None:
+            return
+        t0 = time.perf_counter()
+        for u in units:
+            for e in self.by_unit.get(u, ()):
+                if e.host is not None and e.fetched is None and not e.prefetched:
+                    wait(e.host)
+                    self.stats.deadline_waits += 1
+        self.stats.deadline_wait_s += time.perf_counter() - t0
+
+    def forward_done(self, units: int) -> None:
+        """At the end of the forward: keep the swap deadlines of the first backward stage now.
+        The cost model's first backward stage includes the loss and its backward, which run
+        before any hook of the executor's part of the graph."""
+        if units:
+            self.stage_boundary(f"bwd:{units - 1}")
+
+    def release_unneeded(self) -> None:
+        """At the end of the forward: stop watching dropped tensors, and let go of the held
+        inputs of recomputed units whose replay nobody will need."""
+        self.dropped = {}
+        for rt in self.runtimes.values():
+            rt.forward_done = True
+        for rt in list(self.runtimes.values()):
+            rt._maybe_release()
+
+    def issue_prefetches(self, stage: int) -> None:
+        self.enter_backward()
+        if stage in self.fired or self.dead:
+            return
+        self.fired.add(stage)
+        self.stage_boundary(f"bwd:{stage}")
+        units = self.prefetch_at.get(stage, ())
+        if units:
+            self.stats.prefetch_stages.append(stage)
+        for u in units:
+            for e in self.by_unit.get(u, ()):
+                e.prefetch()
+
+
+def _unpack_handle(packed: Any) -> torch.Tensor:
+    """Autograd needs a saved tensor back (full tracker and lean path alike): a handle's tensor,
+    aborting the step if getting it fails."""
+    if isinstance(packed, _Handle):
+        try:
+            packed.state.enter_backward()
+            return packed.unpack()
+        except BaseException:
+            packed.state.abort()
+            raise
+    return packed
+
