@@ -1,103 +1,135 @@
-"""Host overhead of the executor per unit (issue 6), on a stack of tiny kernels.
+"""Host cost of the executor per moved unit (issue 17), on a stack of tiny kernels.
 
-A 193-unit stack (64 x Linear -> LayerNorm -> GELU, then a Linear), width 32, batch 8: every
-kernel takes a few microseconds, so the step time is mostly host work. One training step (forward,
-sum loss, backward, grads set to None) is timed in three modes, interleaved in one process:
+A 193-unit stack: 64 blocks (``nn.Sequential`` of Linear -> LayerNorm -> GELU), then a Linear;
+width 32, batch 8, one thread. Every kernel takes a few microseconds, so a step is host work, as a
+step on a fast GPU is. It is profiled once (``tensorplace.plan(..., method="retain")``) and the
+planner makes the plans below from that profile (with their prefetch schedules and swap
+deadlines); one training step (forward, sum loss, backward, grads set to None) of each is timed,
+interleaved in one process, after warm-up steps (the executor's learning step among them):
 
-* ``unplanned``: the model itself;
-* ``retain``: ``PlannedModule`` with the all-retain plan;
-* ``swap1``: ``PlannedModule`` with one swapped unit near the end (the last LayerNorm: its mean,
-  rstd and output are swapped to the CPU backend's host tier), the rest retained;
-* ``recompute1``: the same unit recomputed instead (``--recompute``: its segment is tracked and
-  replayed in backward, the rest runs as in ``retain``);
-* ``delta``: DELTA's runtime policy (``--delta``, cuda_exec/delta_policy.py) with a budget the
-  step never comes near, so nothing moves: what the full unit tracker, the live counter and the
-  records of every saved tensor cost in every step.
+* ``unplanned``: the model itself; ``forward``: its forward alone (grad on, no backward);
+* ``retain``: the all-retain plan (nothing moves);
+* ``swap-all``: every unit swapped to the CPU backend's host tier;
+* ``recompute-all``: every unit recomputed, in the profile's default checkpoint segments (one
+  per block);
+* ``checkpoint-blocks``: the units of every repeated block recomputed, one segment per block.
 
-It prints the median step time of each mode and the overhead per unit over ``unplanned`` in
-microseconds. Run: ``nice python benches/executor_overhead.py [--steps 60] [--width 32]
-[--recompute] [--delta]``.
+Per plan it prints the median step, the units the plan moves, and the executor's cost per moved
+unit: (median step - unplanned step - recompute) / moved units, where recompute is what the
+replays' forwards cost, the forward of the recomputed units (their share of the profile's
+forward times, times the measured forward); for all-retain, per unit. ``--json FILE`` writes the
+figures. Run: ``nice python benches/executor_overhead.py [--rounds 15]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
 
+import tensorplace as tp
 from cuda_exec.cpu_backend import CpuBackend
-from cuda_exec.executor import PlannedModule
+from tensorplace.bench.common import HOST_MALLOC_MODES, host_malloc
 
 
 def build(blocks: int, width: int) -> nn.Sequential:
-    layers = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
-    layers.append(nn.Linear(width, width))
-    return nn.Sequential(*layers)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+                           for _ in range(blocks)], nn.Linear(width, width))
 
 
-def step(module: nn.Module, model: nn.Module, x: torch.Tensor) -> float:
-    t0 = time.perf_counter()
-    module(x).sum().backward()
-    t1 = time.perf_counter()
-    for p in model.parameters():
-        p.grad = None
-    return t1 - t0
-
-
-def main() -> None:
+def main(argv: List[str] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (one step of every mode each)")
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--recompute", action="store_true", help="also time the recompute1 mode")
-    ap.add_argument("--delta", action="store_true", help="also time DELTA's runtime policy (nothing released)")
-    a = ap.parse_args()
+    ap.add_argument("--plans", default="retain,swap-all,recompute-all,checkpoint-blocks")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--host-malloc", default="keep", choices=HOST_MALLOC_MODES,
+                    help="the C heap keeps freed memory (as tensorplace-bench does by default)")
+    a = ap.parse_args(argv)
+    malloc = host_malloc(a.host_malloc)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = build(a.blocks, a.width)
-    n = len(model)
     x = torch.randn(a.batch, a.width)
+    loss_fn = lambda out: out.sum()  # noqa: E731
     backend = CpuBackend()
-    swap1 = ["retain"] * n
-    swap1[n - 3] = "swap"  # the last LayerNorm
-    modes = {
-        "unplanned": model,
-        "retain": PlannedModule(model, ["retain"] * n, backend=backend),
-        "swap1": PlannedModule(model, swap1, backend=backend),
-    }
-    if a.recompute:
-        rec1 = ["retain"] * n
-        rec1[n - 3] = "recompute"
-        modes["recompute1"] = PlannedModule(model, rec1, backend=backend)
-    if a.delta:
-        from cuda_exec.delta_policy import DeltaModule  # here: the bench also runs on older checkouts
+    probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=3)
+    units = probe.to_dict()["profile"]["units"]
+    n = len(units)
+    fwd_share = {}
+    modes: Dict[str, Any] = {"unplanned": model}
+    plans: Dict[str, Any] = {}
+    for method in a.plans.split(","):
+        plan = probe.replan(2**50, method=method)
+        plans[method] = plan
+        modes[method] = tp.run(model, plan, backend=backend)
+        recomputed = [u for u, act in zip(units, plan.actions) if act == "recompute"]
+        fwd_share[method] = sum(u["fwd_time"] for u in recomputed) / max(sum(u["fwd_time"] for u in units), 1e-12)
 
-        modes["delta"] = DeltaModule(model, 1 << 40, backend=backend, bandwidth=(1e9, 1e9))
-    times = {k: [] for k in modes}
-    for k, m in modes.items():  # warm-up (and the executor's first step)
-        for _ in range(3):
-            step(m, model, x)
-    for _ in range(a.steps):
-        for k, m in modes.items():
-            times[k].append(step(m, model, x))
+    def step(m: nn.Module) -> float:
+        t0 = time.perf_counter()
+        loss_fn(m(x)).backward()
+        t1 = time.perf_counter()
+        for p in model.parameters():
+            p.grad = None
+        return t1 - t0
+
+    def forward() -> float:
+        t0 = time.perf_counter()
+        out = model(x)
+        t1 = time.perf_counter()
+        del out
+        return t1 - t0
+
+    times: Dict[str, List[float]] = {k: [] for k in modes}
+    times["forward"] = []
+    for _ in range(3):  # warm-up: the executors' learning steps
+        for m in modes.values():
+            step(m)
+    for r in range(a.rounds):
+        order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
+        for k, m in order:
+            times[k].append(step(m))
+        times["forward"].append(forward())
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{n} units, width {a.width}, batch {a.batch}, {a.steps} interleaved steps per mode, "
-          f"torch threads {a.threads}")
-    for k in modes:
-        over = (med[k] - med["unplanned"]) / n * 1e6
-        print(f"  {k:10s} median step {med[k] * 1e3:8.2f} ms   over unplanned: {over:7.1f} us/unit")
+    base = med["unplanned"]
+    rows = []
+    print(f"{n} units ({a.blocks} blocks of Linear/LayerNorm/GELU + Linear), width {a.width}, batch {a.batch}, "
+          f"{a.rounds} interleaved rounds, torch threads {a.threads}, {torch.__version__}, host malloc {malloc}")
+    print(f"  unplanned step {base * 1e3:8.3f} ms, forward alone {med['forward'] * 1e3:8.3f} ms")
+    for method, plan in plans.items():
+        moved = sum(act != "retain" for act in plan.actions)
+        recompute = med["forward"] * fwd_share[method]
+        over = med[method] - base - recompute
+        per = over / (moved if moved else n)
+        row = {"plan": method, "step_s": med[method], "moved_units": moved, "recompute_s": recompute,
+               "cost_per_moved_unit_us": per * 1e6, "predicted_step_s": plan.predicted["step_time"],
+               "step_times": times[method]}
+        rows.append(row)
+        what = "per moved unit" if moved else "per unit (nothing moved)"
+        print(f"  {method:18s} step {med[method] * 1e3:8.3f} ms  moved {moved:3d}  recompute {recompute * 1e3:7.3f} ms"
+              f"  executor {per * 1e6:7.1f} us {what}  (predicted step {plan.predicted['step_time'] * 1e3:.3f} ms)")
     for m in modes.values():
         if m is not model:
             m.close()
     backend.close()
+    out = {"units": n, "blocks": a.blocks, "width": a.width, "batch": a.batch, "threads": a.threads,
+           "rounds": a.rounds, "torch": torch.__version__, "host_malloc": malloc, "unplanned_step_s": base, "forward_s": med["forward"],
+           "unplanned_times": times["unplanned"], "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

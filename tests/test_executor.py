@@ -226,10 +226,10 @@ def _executor_hooks(model: nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
-def test_steady_steps_run_no_mode_and_one_hook_per_unit_module() -> None:
+def test_steady_steps_run_no_mode_and_hook_only_where_the_plan_acts() -> None:
     model, x, y = make("resnet18")
     n = len(records(model, x))
-    units = {type(m) for m in model.modules() if not list(m.children())}
+    unit_modules = {id(m) for m in model.modules() if not list(m.children())}
     modes: List[int] = []
     model.fc.register_forward_pre_hook(lambda m, a: modes.append(torch._C._len_torch_function_stack()))
     for plan in (["retain"] * n, cycle(n, ["retain", "swap"])):
@@ -239,17 +239,20 @@ def test_steady_steps_run_no_mode_and_one_hook_per_unit_module() -> None:
         # the first step tracks glue with a TorchFunctionMode; the steady steps do not
         assert modes == [1, 0, 0]
         modes.clear()
-        leaves = [m for m in model.modules() if type(m) in units]
-        assert _executor_hooks(model) == 1 + len({id(m) for m in leaves})  # + the test's own
+        hooked = {id(m) for m in planned.executor._program.pre_modules}
+        if "swap" in plan:  # unit modules where the saved-tensor hooks go on or off, or stages have work
+            assert hooked and hooked <= unit_modules
+        else:  # an all-retain plan runs the plain model: no hook at all
+            assert _executor_hooks(model) == 1  # the test's own
         planned.close()
         assert _executor_hooks(model) == 1
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
-def test_steady_steps_of_a_recompute_plan_track_only_the_recomputed_segments() -> None:
-    """Issue 6: a plan with recomputed units runs the lean path from its second step too. The
-    TorchFunctionMode that records glue for replays is on only from a recomputed unit's start to
-    the end of its segment (the start of the next unit)."""
+def test_steady_steps_replay_aligned_segments_from_their_module_calls() -> None:
+    """Issue 17: a checkpoint segment whose glue lies in its module calls (here layer1, one
+    nn.Sequential call) is replayed by calling those modules again, once per segment; the steady
+    steps run no TorchFunctionMode at all."""
     model, x, y = make("resnet18")
     recs = records(model, x)
     acts = ["recompute" if r.name.startswith("layer1.") else "retain" for r in recs]
@@ -258,12 +261,40 @@ def test_steady_steps_of_a_recompute_plan_track_only_the_recomputed_segments() -
         model.get_submodule(name).register_forward_pre_hook(
             lambda m, a, lst=lst: None if is_replaying() else lst.append(torch._C._len_torch_function_stack()))
     planned = PlannedModule(model, acts, backend=CpuBackend())
-    for _ in range(3):
+    for step in range(3):
         loss_fn(planned(x), y).backward()
-        assert planned.last_stats.replays > 0 and not planned.last_stats.aborted
-    assert planned.executor._table is not None
-    assert seen["layer1.0.conv2"] == [1, 1, 1]  # after layer1.0.relu, recomputed: its glue is tracked
-    assert seen["fc"] == [1, 0, 0]  # after avgpool, retained: tracked only in the first step
+        stats = planned.last_stats
+        assert not stats.aborted
+        # one replay of the whole segment, of every unit in it
+        assert stats.segment_replays == 1 and stats.replays == sum(a == "recompute" for a in acts)
+    program = planned.executor._program
+    assert [[type(c.module).__name__ for c in seg.calls] for seg in program.segments] == [["Sequential"]]
+    assert not any(program.tracked)
+    assert seen["layer1.0.conv2"] == [1, 0, 0]
+    assert seen["fc"] == [1, 0, 0]
+    planned.close()
+
+
+def test_steady_steps_track_a_segment_whose_glue_its_replay_needs() -> None:
+    """A segment that is not aligned (the attention's qkv projection alone: the softmax its
+    glue computes and saves lies outside any module call of the segment) is tracked in steady
+    steps: the TorchFunctionMode is on from its start to the next unit, nowhere else."""
+    model, x, y = make("gpt")
+    recs = records(model, x)
+    acts = ["recompute" if r.name == "blocks.0.attn.qkv" else "retain" for r in recs]
+    seen: Dict[str, List[int]] = {"blocks.0.attn.attn_drop": [], "blocks.0.ln2": []}
+    for name, lst in seen.items():
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, lst=lst: None if is_replaying() else lst.append(torch._C._len_torch_function_stack()))
+    planned = PlannedModule(model, acts, backend=CpuBackend())
+    for _ in range(3):
+        torch.manual_seed(0)
+        loss_fn(planned(x), y).backward()
+        assert planned.last_stats.segment_replays == 1 and not planned.last_stats.aborted
+    assert planned.executor._program.tracked == [a == "recompute" for a in acts]
+    # the mode is on where the recorded segment ends: at the next unit's start it is still on
+    assert seen["blocks.0.attn.attn_drop"] == [1, 1, 1]
+    assert seen["blocks.0.ln2"] == [1, 0, 0]
     planned.close()
 
 
@@ -346,7 +377,27 @@ class Switch(nn.Module):
         return self.c(h)
 
 
-@pytest.mark.parametrize("actions", [["retain"] * 3, ["swap", "retain", "swap"], ["swap"] * 3,
+def test_an_all_retain_plan_runs_any_control_flow_as_the_model() -> None:
+    """An all-retain plan installs nothing after its learning step: a step whose control flow
+    differs runs as the model does (nothing of the plan can go wrong there)."""
+    torch.manual_seed(0)
+    model = Switch()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    planned = PlannedModule(model, ["retain"] * 3, backend=CpuBackend())
+    for skip in (False, False, True, False):
+        model.skip = ref.skip = skip
+        model.zero_grad()
+        ref.zero_grad()
+        loss_fn(planned(x), y).backward()
+        loss_fn(ref(x), y).backward()
+        for p1, p2 in zip(ref.parameters(), model.parameters()):
+            assert (p1.grad is None and p2.grad is None) or torch.equal(p1.grad, p2.grad)
+    planned.close()
+    _assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("actions", [["swap", "retain", "swap"], ["swap"] * 3,
                                      ["recompute", "retain", "recompute"], ["recompute"] * 3])
 def test_control_flow_change_in_a_steady_step_is_refused_cleanly(actions: List[str]) -> None:
     torch.manual_seed(0)
@@ -892,10 +943,11 @@ def test_out_of_memory_in_a_copy_aborts_the_step_and_the_next_one_is_exact(metho
 
 
 class FailingCopyBackend(CpuBackend):
-    """A CPU backend whose copy thread fails on its ``fail_at``-th copy (after copying)."""
+    """A CPU backend whose copy thread fails on its ``fail_at``-th copy (after copying); every
+    copy goes through the copy thread (none is small enough to run on the caller's)."""
 
     def __init__(self, fail_at: int) -> None:
-        super().__init__()
+        super().__init__(inline_bytes=0)
         self.copies = 0
         self.fail_at = fail_at
 
@@ -1037,15 +1089,19 @@ def test_aborted_step_refuses_its_graph() -> None:
 # ----------------------------------------------------------------------------- CPU backend
 
 
-def test_cpu_backend_roundtrip_pool_and_close() -> None:
-    be = CpuBackend()
+@pytest.mark.parametrize("inline", [False, True])
+def test_cpu_backend_roundtrip_pool_and_close(inline: bool) -> None:
+    be = CpuBackend(inline_bytes=4096 if inline else 0)
     src = torch.arange(1000, dtype=torch.uint8)
     h = be.offload(src)
     be.synchronize()
-    # the device bytes are let go on the caller's thread (where torch's profiler sees the free),
-    # at the next poll, i.e. at the executor's next stage boundary
-    assert h.source is not None
-    assert be.poll() == 1 and h.source is None
+    if inline:  # a small copy runs on the caller's thread: done when offload returns
+        assert h.source is None and h.offload_done.is_set() and be.poll() == 0
+    else:
+        # the device bytes are let go on the caller's thread (where torch's profiler sees the
+        # free), at the next poll, i.e. at the executor's next stage boundary
+        assert h.source is not None
+        assert be.poll() == 1 and h.source is None
     be.prefetch(h)
     out = be.fetch(h)
     assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()

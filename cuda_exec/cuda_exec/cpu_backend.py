@@ -35,14 +35,16 @@ class CpuHostHandle:
         "prefetch_issued", "cancelled", "released", "pending", "error", "keep_source", "copy_idle", "__weakref__",
     )
 
-    def __init__(self, nbytes: int, buf: np.ndarray, source: torch.Tensor) -> None:
+    def __init__(self, nbytes: int, buf: np.ndarray, source: Optional[torch.Tensor], threaded: bool = True) -> None:
         self.nbytes = nbytes
         self.buf: Optional[np.ndarray] = buf
         #: the device bytes, kept alive until the offload copy has run (or was cancelled)
         self.source: Optional[torch.Tensor] = source
         self.device_tensor: Optional[torch.Tensor] = None
-        self.offload_done = threading.Event()
-        self.prefetch_done = threading.Event()
+        # a handle whose copies run on the caller's thread (small, uncapped) never waits: it
+        # shares the event that is always set instead of making three of its own
+        self.offload_done = threading.Event() if threaded else _ALWAYS
+        self.prefetch_done = threading.Event() if threaded else _ALWAYS
         self.prefetch_issued = False
         self.cancelled = False  #: offload not needed any more (the device bytes were used as they are)
         self.released = False
@@ -51,8 +53,20 @@ class CpuHostHandle:
         #: prefetched before its offload completed: the device bytes stay for fetch
         self.keep_source = False
         #: clear while the copy thread holds a reference to this handle's device bytes
-        self.copy_idle = threading.Event()
-        self.copy_idle.set()
+        self.copy_idle = threading.Event() if threaded else _ALWAYS
+        if threaded:
+            self.copy_idle.set()
+
+
+#: the event of handles whose copies run on the caller's thread: always set, never cleared
+_ALWAYS = threading.Event()
+_ALWAYS.set()
+
+#: copies of at most this many bytes run on the caller's thread when there is no bandwidth cap:
+#: handing them to the copy thread costs more host time than the copy itself (a thread switch and
+#: the copy thread's Python under the GIL), and a copy that completes at once is what the cost
+#: model's copy stream does with it
+INLINE_BYTES = 64 << 10
 
 
 @dataclass
@@ -82,12 +96,15 @@ class CpuBackend:
         *,
         host: str = "numpy",
         mmap_dir: Optional[str] = None,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         if host not in ("numpy", "mmap"):
             raise ValueError(f"host must be 'numpy' or 'mmap', not {host!r}")
         if bandwidth_cap is not None and bandwidth_cap <= 0:
             raise ValueError("bandwidth_cap must be positive (bytes per second)")
         self.bandwidth_cap = bandwidth_cap
+        #: copies up to this size run on the caller's thread (none with a bandwidth cap)
+        self.inline_bytes = 0 if bandwidth_cap else int(inline_bytes)
         self.host = host
         self.mmap_dir = mmap_dir
         self._lock = threading.Lock()
@@ -148,6 +165,14 @@ class CpuBackend:
         if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError("CpuBackend.offload expects a contiguous 1-D uint8 CPU tensor")
         n = tensor.numel()
+        if n <= self.inline_bytes:
+            h = CpuHostHandle(n, self._take_buffer(n), None, threaded=False)
+            np.copyto(h.buf, tensor.numpy())  # the copy completes here: the caller's bytes are free to go
+            with self._lock:
+                self._live[id(h)] = h
+                self._counters["offloads"] += 1
+                self._counters["offload_bytes"] += n
+            return h
         h = CpuHostHandle(n, self._take_buffer(n), tensor)
         with self._lock:
             h.pending += 1
@@ -214,6 +239,12 @@ class CpuBackend:
             h.keep_source = True
             return
         h.device_tensor = torch.empty(h.nbytes, dtype=torch.uint8)
+        if h.offload_done is _ALWAYS:  # a handle whose copies run here
+            np.copyto(h.device_tensor.numpy(), h.buf)
+            with self._lock:
+                self._counters["prefetches"] += 1
+                self._counters["prefetch_bytes"] += h.nbytes
+            return
         with self._lock:
             h.pending += 1
             self._counters["prefetches"] += 1

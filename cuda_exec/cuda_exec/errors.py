@@ -29,7 +29,8 @@ class StepStats:
     swap_storages: int = 0  #: storages offloaded
     swap_bytes: int = 0  #: bytes offloaded
     dropped_tensors: int = 0  #: saved tensors dropped for recomputation
-    replays: int = 0  #: unit replays
+    replays: int = 0  #: units replayed
+    segment_replays: int = 0  #: replays (a checkpoint segment is replayed as one)
     replay_s: float = 0.0  #: time spent replaying
     fetch_s: float = 0.0  #: time spent in fetches (waiting for late copies included)
     #: host time spent at swap deadlines (the swap-outs the plan says are done before a stage):

@@ -98,6 +98,8 @@ step's order; only a recomputed unit's segment needs recording (its replay re-ru
 
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -113,9 +115,10 @@ from .plan_io import (ACTIONS, PLAN_VERSION, PlanLike,  # noqa: F401 - PLAN_VERS
                       read_state_swaps, read_swap_deadlines, run_starts)
 from .recorded_replay import _InputSlot
 from .state_swap import StateSwapper
-from .steady import _LeanStep, _remove_hooks
+from .program import Program, build_program
+from .steady import _SteadyStep, _remove_hooks
 from .step_state import _EXECUTORS, MARK_PREFIX, _StepState, default_backend, replay_state_bytes
-from .units import UnitSpec, discover_units
+from .units import UnitSpec, discover_units, is_replaying
 from .verify import verify_from_env
 
 __all__ = [
@@ -197,8 +200,14 @@ class Executor:
         #: after its first step, the executor runs the lean path (False: every step is a full step)
         self.lean = True
         self._table: Optional[_Table] = None
-        self._work: List[bool] = []
-        self._cell: List[Optional[_LeanStep]] = [None]  # the armed step, read by the unit hooks
+        #: what the steady steps run (program.py), and the inputs' shapes it was learned on
+        self._program: Optional[Program] = None
+        self._signature: Any = None
+        #: replay checkpoint segments from their module calls where they allow it (False: every
+        #: recomputed segment is tracked and replays what it recorded)
+        self.aligned = os.environ.get("TENSORPLACE_ALIGNED", "1") != "0"
+        self.relearned = 0  #: learning steps after the first (the inputs' shapes changed)
+        self._cell: List[Optional[_SteadyStep]] = [None]  # the running step, read by the hooks
         self._hooks: List[Any] = []
         self._hooks_finalizer: Optional[weakref.finalize] = None
         #: the leaf every replay attaches its held inputs to (_Attach), made once
@@ -229,8 +238,13 @@ class Executor:
             self.swapper.in_planned_forward = False
 
     def _forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        if self._table is not None:
-            return self._lean_forward(args, kwargs)
+        program = self._program
+        if program is not None:
+            signature = _signature(args, kwargs) if self.lean else None
+            if signature == self._signature:
+                return self._steady_forward(program, args, kwargs)
+            self._note_relearn(signature)
+            self._uninstall()
         state = _StepState(self)
         self._states.add(state)
         self.last_stats = state.stats
@@ -243,86 +257,105 @@ class Executor:
             for leaf in pytree.tree_leaves(out):
                 if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
                     leaf.register_hook(state.guarded(lambda grad: state.enter_backward()))
-            if len(tracker.segments) != len(self.actions):
-                raise PlanMismatchError(
-                    f"the model ran {len(tracker.segments)} units but the plan has {len(self.actions)}"
-                )
-            state.forward_done(len(tracker.segments))
-            state.note_dropped_alive(len(tracker.segments))
+            n = len(tracker.segments)
+            if n != len(self.actions):
+                raise PlanMismatchError(f"the model ran {n} units but the plan has {len(self.actions)}")
+            tracker.end_run_before(n)
+            state.forward_done(n)
+            state.note_dropped_alive(n)
+            program = None
             if learn is not None:  # before release_unneeded lets go of the slots
+                learn.names = list(state.names)
                 for rt in state.runtimes.values():
                     learn.protect[rt.unit] = {i for i, ref in enumerate(rt.seg.inputs)
                                               if isinstance(ref.slot, _InputSlot) and ref.slot.protected}
+                program = self._build_program(learn, tracker)
             state.release_unneeded()
         except BaseException:
             state.abort()
             raise
-        if learn is not None:
-            self._arm_lean(learn.finish(state.names, [a == "recompute" for a in self.actions]))
+        if program is not None:
+            self._program = program
+            self._table = program.table
+            self._signature = _signature(args, kwargs)
+            self._install(program)
         return out
 
-    # ------------------------------------------------------------------ the lean path
+    # ------------------------------------------------------------------ the steady steps
 
-    def _arm_lean(self, table: _Table) -> None:
-        """After the first (full) step: keep its table, precompute the boundary work per unit and
-        install the unit hooks (once; removed by close() or a failed step)."""
-        n = len(table.pack_start)
+    def _build_program(self, learn: _Table, tracker: _PlanTracker) -> Program:
+        """After the learning step: what the steady steps run (program.py)."""
+        st_runtimes = tracker.state.runtimes
+        slots: Dict[Tuple[int, int], Any] = {}
+        for rt in st_runtimes.values():
+            run = self.run_start[rt.unit]
+            for ref in rt.seg.inputs:
+                slots.setdefault((run, id(ref.value)), ref.slot)
+        n = len(learn.pack_start)
         fwd_deadline = {int(label[4:]) for label in self.swap_deadlines if label.startswith("fwd:")}
         first_swap = n
-        for k, a in enumerate(table.acts):
+        for k, a in enumerate(learn.acts):
             if a == SWAP:
-                first_swap = max(u for u in range(n) if table.pack_start[u] <= k)
+                first_swap = max(u for u in range(n) if learn.pack_start[u] <= k)
                 break
         swapper_stages = self.swapper.forward_stages() if self.swapper is not None else set()
-        self._work = [u in fwd_deadline or u in self.prefetch_at or (u - 1) in self.prefetch_at or u > first_swap
-                      or u in swapper_stages for u in range(n)]
-        self._table = table
+        work = [u in fwd_deadline or u in self.prefetch_at or (u - 1) in self.prefetch_at or u > first_swap
+                or u in swapper_stages for u in range(n)]
+        post_units = {u for u in range(n) if u in self.prefetch_at}
         #: what the steady steps' tracker counts as parameters (their storages, read per step)
         self._params = [t for t in list(self.model.parameters()) + list(self.model.buffers())
                         if t.layout == torch.strided and t.device.type != "meta"]
-        self._install()
+        return build_program(learn, tracker, self.actions, self.run_start, slots, work, post_units,
+                             aligned=self.aligned)
 
-    def _install(self) -> None:
+    def _note_relearn(self, signature: Any) -> None:
+        """The inputs' shapes (or the model's structure) changed since the learning step: the
+        next step learns again (a full step, slower), once per new shape."""
+        self.relearned += 1
+        if self.relearned == 1:
+            warnings.warn(
+                "the model's inputs changed shape (or kind) since the executor's learning step: the "
+                "executor learns the new step once (one full, slower step per new input shape); "
+                "bucket the shapes (e.g. pad to a few lengths) if they change often",
+                RuntimeWarning, stacklevel=4)
+
+    def _install(self, program: Program) -> None:
         if self._hooks:
             return
         cell = self._cell
 
-        def unit_pre_hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        def pre_hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             step = cell[0]
-            if step is not None:
-                step.unit_start(module, args, kwargs)
+            if step is not None and not is_replaying():
+                step.call_start(module, args, kwargs)
 
-        def unit_post_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+        def post_hook(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             step = cell[0]
-            if step is not None:
-                step.unit_end(module, output)
+            if step is not None and not is_replaying():
+                step.call_end(module, output)
 
-        table = self._table
-        assert table is not None
-        post = {id(table.modules[c]) for c, u in enumerate(table.call_unit)
-                if u in self.prefetch_at or (u >= 0 and table.recompute[u])}
-        for module in self.unit_modules:
-            self._hooks.append(module.register_forward_pre_hook(unit_pre_hook, with_kwargs=True))
-            if id(module) in post:  # modules of prefetch stages' and recomputed units
-                self._hooks.append(module.register_forward_hook(unit_post_hook))
+        for module in program.pre_modules:
+            self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        for module in program.post_modules:
+            self._hooks.append(module.register_forward_hook(post_hook))
         # the hooks hold no reference to the executor; if it is dropped without close(), they go
         self._hooks_finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
 
     def _uninstall(self) -> None:
         self._cell[0] = None
         self._table = None
+        self._program = None
+        self._signature = None
         if self._hooks_finalizer is not None:
             self._hooks_finalizer.detach()
             self._hooks_finalizer = None
         _remove_hooks(self._hooks)
 
-    def _lean_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        table = self._table
-        assert table is not None
+    def _steady_forward(self, program: Program, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         state = _StepState(self)
-        state.names = table.names
+        state.names = program.table.names
         self.last_stats = state.stats
-        step = _LeanStep(self, state, table, self._work)
+        step = _SteadyStep(self, state, program)
         self._states.add(state)
         self._cell[0] = step
         try:
@@ -371,6 +404,13 @@ class Executor:
         if self._own_backend and self._backend is not None:
             self._backend.close()
             self._backend = None
+
+
+def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What a learned step depends on in the inputs: each tensor's shape, dtype, device and
+    whether it requires grad, and the other values' types (one pass over the arguments)."""
+    return tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else type(x)
+                 for x in pytree.tree_leaves((args, kwargs)))
 
 
 class ExecutorModule(nn.Module):

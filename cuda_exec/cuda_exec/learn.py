@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .errors import PlanMismatchError
 from .recorded_replay import _InputSlot, _UnitRuntime
 from .step_state import _Entry, _Handle, _new_entry, _ReplayHandle, _StepState, _SwapHandle, _unpack_handle
-from .units import NO_OWNER, InputRef, PackInfo, Segment, UnitTracker, ValueRec, ViewMeta, is_replaying, model_input_position
+from .units import NO_OWNER, CallRecord, InputRef, PackInfo, Segment, UnitTracker, ValueRec, ViewMeta, is_replaying, model_input_position
 from .verify import checksum
 
 if TYPE_CHECKING:
@@ -60,16 +60,38 @@ class _Table:
         self.inputs: Dict[int, List[Optional[Tuple[int, bool]]]] = defaultdict(list)
         self.protect: Dict[int, Set[int]] = {}
         self._entry_first: Dict[int, int] = {}
-        self._outside_seen: Set[ValueRec] = set()
+        #: per pack: the value it saved (None: not an activation)
+        self.values: List[Optional[ValueRec]] = []
+        #: every module call of the forward, in the order they started, and per unit the index
+        #: of its module call (units.CallRecord, from the tracker)
+        self.calls: List[CallRecord] = []
+        self.unit_call: List[int] = []
+        #: reads of recomputed units' segments, in order: (unit, value or None, its owner, saved then)
+        self.reads: List[Tuple[int, Optional[ValueRec], int, bool]] = []
+        #: per swap entry (id): the first pack of its storage
+        self.entry_first: Dict[int, int] = {}
 
-    def finish(self, names: List[str], recompute: List[bool]) -> "_Table":
+    def finish(self, names: List[str], tracked: List[bool]) -> "_Table":
+        """``tracked``: per unit, the steady steps track its segment (a recomputed unit whose
+        checkpoint segment is not replayed from its module calls)."""
         self.names = list(names)
         self._entry_first = {}
-        self._outside_seen = set()
-        self.inputs = dict(self.inputs)
         n = len(self.pack_start)
-        #: per unit: its segment is tracked (a recomputed unit)
-        self.recompute = list(recompute[:n])
+        #: per unit: its segment is tracked in steady steps
+        self.recompute = list(tracked[:n])
+        # what a steady step's tracker will not know: values made outside the tracked segments
+        # (each the first time a tracked segment reads it), or constants
+        self.inputs = {}
+        seen: Set[ValueRec] = set()
+        for u, val, owner, saved in self.reads:
+            if not self.recompute[u]:
+                continue
+            if val is None:
+                self.inputs.setdefault(u, []).append(None)
+            elif not (owner >= 0 and owner < n and self.recompute[owner]) and val not in seen:
+                seen.add(val)
+                self.inputs.setdefault(u, []).append((owner, saved))
+        self.reads = []
         #: per unit: the pack hooks are on in its segment (it makes a pack that is not retained,
         #: or it is tracked)
         self.armed = list(self.recompute)
@@ -95,9 +117,12 @@ class _PlanTracker(UnitTracker):
     fill with what the step does (for plans the lean path runs)."""
 
     def __init__(self, ex: "Executor", state: _StepState, learn: Optional[_Table] = None) -> None:
-        super().__init__(ex.model, keep_replay_info=True, unit_modules=ex.unit_modules)
+        super().__init__(ex.model, keep_replay_info=True, unit_modules=ex.unit_modules,
+                         track_random=learn is not None, record_calls=learn is not None)
         self.state = state
         self.learn = learn
+        self._pack_owner_seen = NO_OWNER
+        self._pack_value_seen: Optional[ValueRec] = None
         if ex.swapper is not None:  # swapped parameters brought back during the forward
             self.param_ptrs_extra = ex.swapper.resident_ptrs
 
@@ -118,29 +143,27 @@ class _PlanTracker(UnitTracker):
         if learn is None or not self._active or self._busy > 0 or is_replaying():
             return super()._pack_hook(t)
         self._pack_owner_seen = NO_OWNER
+        self._pack_value_seen = None
         out = super()._pack_hook(t)
         k = len(learn.acts)
         code = _act_code(out)
         learn.acts.append(code)
         learn.first.append(learn._entry_first.setdefault(id(out.entry), k) if code == SWAP else k)
+        if code == SWAP:
+            learn.entry_first.setdefault(id(out.entry), k)
         learn.owner.append(self._pack_owner_seen)
+        learn.values.append(self._pack_value_seen)
         return out
 
     def _input_value(self, seg: Segment, t: torch.Tensor) -> Optional[ValueRec]:
         val = self.value_of(t)
         learn = self.learn
         if learn is not None and self.state.action(seg.unit) == "recompute":
-            # what a steady step, which tracks only the recomputed units' segments, will not know
-            if val is None:
-                learn.inputs[seg.unit].append(None)
-            elif not self._tracked_owner(val.owner) and val not in learn._outside_seen:
-                learn._outside_seen.add(val)
-                learn.inputs[seg.unit].append((val.owner, val.saved))
+            # what a steady step that tracks this segment reads (_Table.finish keeps what it will
+            # not know: values made outside the segments it tracks)
+            learn.reads.append((seg.unit, val, NO_OWNER if val is None else val.owner,
+                                False if val is None else val.saved))
         return val
-
-    def _tracked_owner(self, owner: int) -> bool:
-        """Whether a steady step tracks the segment of ``owner`` (so knows the values it makes)."""
-        return owner >= 0 and self.state.action(owner) == "recompute"
 
     # units --------------------------------------------------------------------------
 
@@ -164,24 +187,48 @@ class _PlanTracker(UnitTracker):
 
     def _keep_replay_state(self, index: int) -> None:
         """At a recomputed unit's start: the grad mode, RNG and autocast states its replay restores."""
+        self.end_run_before(index)
         if self.state.action(index) == "recompute":
             self._save_replay_state(index)
 
     def _save_replay_state(self, index: int) -> None:
         rt = self._runtime_for(self.segments[index])
-        if rt is not None:
-            rt.grad_enabled = torch.is_grad_enabled()
+        if rt is None:
+            return
+        st = self.state
+        rt.grad_enabled = torch.is_grad_enabled()
+        if index >= len(st.run_start) or st.run_start[index] == index:
+            # the generators once per checkpoint segment, at its start (its replay sets them once
+            # and runs its units in order); dropped at its end if its forward drew nothing
             rt.rng_cpu = torch.get_rng_state()
             devices = sorted({ref.device.index or 0 for ref in self.segments[index].inputs if ref.device.type == "cuda"})
             if devices and torch.cuda.is_available():
                 rt.rng_cuda = [(d, torch.cuda.get_rng_state(d)) for d in devices]
-            rt.autocast = []
-            for dev in ("cpu", "cuda"):
-                try:
-                    if torch.is_autocast_enabled(dev):
-                        rt.autocast.append((dev, True, torch.get_autocast_dtype(dev)))
-                except (RuntimeError, TypeError):  # pragma: no cover - device type unsupported
-                    pass
+        rt.autocast = []
+        for dev in ("cpu", "cuda"):
+            try:
+                if torch.is_autocast_enabled(dev):
+                    rt.autocast.append((dev, True, torch.get_autocast_dtype(dev)))
+            except (RuntimeError, TypeError):  # pragma: no cover - device type unsupported
+                pass
+
+    def end_run_before(self, index: int) -> None:
+        """Unit ``index`` starts (``index`` = the number of units: the forward ended). If the unit
+        before it ended a checkpoint segment whose forward drew no random numbers, the segment's
+        replay need not set the generators: their saved states are let go."""
+        st = self.state
+        prev = index - 1
+        if prev < 0 or prev >= len(st.run_start) or st.action(prev) != "recompute":
+            return
+        if index < len(st.run_start) and st.action(index) == "recompute" and st.run_start[index] == st.run_start[prev]:
+            return
+        first = st.runtimes.get(st.run_start[prev])
+        if first is None or first.rng_cpu is None or not torch.equal(first.rng_cpu, torch.get_rng_state()):
+            return
+        if any(not torch.equal(state, torch.cuda.get_rng_state(d)) for d, state in first.rng_cuda):
+            return
+        first.rng_cpu = None
+        first.rng_cuda = []
 
     def on_segment_value(self, segment: Segment, index: int, tensor: torch.Tensor) -> None:
         st = self.state
@@ -255,6 +302,7 @@ class _PlanTracker(UnitTracker):
     def on_pack(self, tensor: torch.Tensor, info: PackInfo) -> Any:
         st = self.state
         self._pack_owner_seen = info.owner
+        self._pack_value_seen = info.value
         if info.kind != "activation" or info.owner < 0 or info.value is None or info.meta is None:
             return tensor
         owner = info.owner
@@ -270,8 +318,6 @@ class _PlanTracker(UnitTracker):
             handle: _Handle = _SwapHandle(st, entry, info.meta, tensor.device, digest, what)
             self._convert_slots(val, entry, None)
             return handle
-        rt = self._runtime_for(self.segments[owner])
-        assert rt is not None
         reader = info.reader
         if reader >= 0 and st.action(reader) == "recompute" and st.run_start[reader] != st.run_start[owner]:
             # saved inside another checkpoint segment, which holds it as an input (on_input): that
@@ -280,6 +326,8 @@ class _PlanTracker(UnitTracker):
             assert reader_rt is not None
             st.stats.dropped_tensors += 1
             return _ReplayHandle(st, reader_rt, info.seg_pack, None, info.meta, tensor.device, digest, what)
+        rt = self._runtime_for(self.segments[owner])
+        assert rt is not None
         if info.in_owner_segment:
             handle = _ReplayHandle(st, rt, info.seg_pack, None, info.meta, tensor.device, digest, what)
         elif val in rt.seg.owned_values:

@@ -149,8 +149,36 @@ class _UnitRuntime:
         self._maybe_release()
 
     def _maybe_release(self) -> None:
-        if self.forward_done and not self.replayed and not self.slot_refs and not self.value_refs:
-            self.release_inputs()  # nobody will need the replay any more
+        """Let go of the held inputs of this unit's checkpoint segment once nobody can need its
+        replay any more (the segment is replayed as one, so every unit of it waits for all)."""
+        if not self.forward_done or self.replayed or self.slot_refs or self.value_refs:
+            return
+        members = self.run_members()
+        if any((rt.slot_refs or rt.value_refs) and not rt.replayed for rt in members):
+            return
+        for rt in members:
+            rt.release_inputs()
+
+    def run_members(self) -> List["_UnitRuntime"]:
+        """The runtimes of this unit's checkpoint segment (its run of consecutive recomputed units),
+        in unit order; just this one for a unit the plan does not recompute (DELTA's evictions)."""
+        st = self.state
+        if st.action(self.unit) != "recompute":
+            return [self]
+        start = st.run_start[self.unit]
+        cached = st.run_members.get(start)
+        if cached is not None:
+            return cached
+        out: List[_UnitRuntime] = []
+        u = start
+        while u < len(st.run_start) and st.run_start[u] == start and st.action(u) == "recompute":
+            rt = st.runtimes.get(u)
+            if rt is not None:
+                out.append(rt)
+            u += 1
+        if self.forward_done:
+            st.run_members[start] = out  # complete once the forward has run (the state holds it: no cycle)
+        return out
 
     def release_inputs(self) -> None:
         if self.inputs_released:
@@ -167,12 +195,17 @@ class _UnitRuntime:
     # -------------------------------------------------------------- replay
 
     def ensure_replayed(self) -> None:
+        """Replay this unit's checkpoint segment, once: every unit of it in order (as
+        torch.utils.checkpoint replays its region at the first unpack), after the units of other
+        segments they chain through (DELTA's evictions; a planned segment holds what it reads from
+        other segments). The random-number generators are set once, to the state each replayed
+        run saved at its start (none when its forward drew no random numbers)."""
         if self.replayed:
             return
-        self.state.check_alive()
-        # every recomputed unit this replay needs, replayed producers first (their index is lower)
+        state = self.state
+        state.check_alive()
         todo: Dict[int, _UnitRuntime] = {}
-        stack = [self]
+        stack = list(self.run_members())
         while stack:
             rt = stack.pop()
             if rt.replayed or rt.unit in todo:
@@ -184,8 +217,20 @@ class _UnitRuntime:
                     first = slot.replayed_first()
                     if first is not None:
                         stack.append(first)
-        for unit in sorted(todo):
-            todo[unit]._replay()
+        ordered = [todo[u] for u in sorted(todo)]
+        state.stats.segment_replays += 1
+        if not any(rt.rng_cpu is not None or rt.rng_cuda for rt in ordered):
+            for rt in ordered:
+                rt._replay()
+            return
+        devices = sorted({d for rt in ordered for d, _ in rt.rng_cuda})
+        with torch.random.fork_rng(devices=devices):
+            for rt in ordered:
+                if rt.rng_cpu is not None:
+                    torch.set_rng_state(rt.rng_cpu)
+                for d, st in rt.rng_cuda:
+                    torch.cuda.set_rng_state(st, d)
+                rt._replay()
 
     def _resolve(self, leaves: List[Tuple[str, Any]], seg_values: Dict[int, torch.Tensor],
                  inputs: Dict[int, torch.Tensor]) -> List[Any]:
@@ -243,7 +288,6 @@ class _UnitRuntime:
         restore: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for b in list(seg.module.buffers()) + list(seg.mutated_params):
             restore.append((b, b.detach().clone()))
-        cuda_devices = [d for d, _ in self.rng_cuda]
         _mark(f"R{self.unit}")
         seg_values: Dict[int, torch.Tensor] = {}
         # Every segment value is let go right after its last use in the replay (the module call,
@@ -266,11 +310,6 @@ class _UnitRuntime:
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(replaying())
-                stack.enter_context(torch.random.fork_rng(devices=cuda_devices))
-                if self.rng_cpu is not None:
-                    torch.set_rng_state(self.rng_cpu)
-                for d, st in self.rng_cuda:
-                    torch.cuda.set_rng_state(st, d)
                 for dev, enabled, dtype in self.autocast:
                     stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(cap_pack, cap_unpack))

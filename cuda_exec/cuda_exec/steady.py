@@ -11,8 +11,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import _get_current_function_mode
 
 from .errors import PlanMismatchError
-from .learn import REPLAY_VALUE, RETAIN, SWAP, _act_code, _PlanTracker, _Table
-from .step_state import _Entry, _new_entry, _StepState, _SwapHandle, _unpack_handle
+from .learn import _act_code, _PlanTracker, _Table
+from .program import A_HOLD, A_HOLD_VALUE, A_RETAIN, A_SWAP, A_TRACKED_VALUE, Program
+from .segment_frame import SegmentFrame, unpack
+from .step_state import _Entry, _new_entry, _StepState, _SwapHandle
 from .units import Segment, ValueRec, ViewMeta, _GlueMode
 from .verify import checksum
 
@@ -176,47 +178,76 @@ class _ScopedTracker(_PlanTracker):
             self._convert_slots(val, entry, None)
 
 
-class _LeanStep:
-    """One steady step: counters, the step's state and the table (and, for a plan with
-    recomputed units, the tracker of their segments)."""
+class _SteadyStep:
+    """One steady step: it follows the program's events at the hooked module calls, arms the
+    saved-tensor hooks in the spans that need them and applies each pack's action (program.py);
+    aligned checkpoint segments keep their top calls' arguments (segment_frame.py), tracked ones
+    run the tracker (:class:`_ScopedTracker`)."""
 
-    __slots__ = ("ex", "state", "t", "calls", "packs", "limit", "armed", "hooks", "work", "post", "tracker",
-                 "scoped")
+    __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "tracker", "scoped", "frames", "acts",
+                 "hold")
 
-    def __init__(self, ex: "Executor", state: _StepState, table: _Table, work: List[bool]) -> None:
+    def __init__(self, ex: "Executor", state: _StepState, program: Program) -> None:
         self.ex = ex
         self.state = state
-        self.t = table
-        self.calls = 0
-        self.packs = 0  #: index of the next pack of the step (counted in armed segments)
-        self.limit = 0  #: packs made before the end of the armed segment
-        self.armed = False  #: the saved-tensor hooks are on (a segment with a swapped pack)
-        self.hooks: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack_handle)
-        self.work = work  #: per unit: boundary work to do at its start
+        self.p = program
+        self.c = 0  #: the next event
+        self.k = 0  #: the next pack (the learning step's numbering; counted in armed spans)
+        self.armed = False  #: the saved-tensor hooks are on
+        self.hooks: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
         self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
-        self.tracker = _ScopedTracker(ex, state, table) if any(table.recompute) else None
-        self.scoped = False  #: a recomputed unit's segment runs (the tracker is on)
+        self.tracker = _ScopedTracker(ex, state, program.table) if program.any_tracked else None
+        self.scoped = False  #: a tracked segment runs (the tracker is on)
+        self.frames: List[Optional[SegmentFrame]] = [None] * len(program.segments)
+        self.acts = program.acts
+        self.hold = program.hold
 
-    # the forward pre-hook of every unit module (installed once, see Executor._install)
-    def unit_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        c = self.calls
-        t = self.t
-        if c >= len(t.modules) or t.modules[c] is not module:
+    # the forward pre-hook of every hooked module (installed once, see Executor._install)
+    def call_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        c = self.c
+        events = self.p.events
+        if c >= len(events) or events[c].module is not module:
             raise self._call_mismatch(c, module)
-        self.calls = c + 1
-        u = t.call_unit[c]
-        if u < 0:
-            return
-        if self.scoped and not t.recompute[u]:
-            self.scoped = False
-            self.tracker.close()  # type: ignore[union-attr]
-        if self.armed:
-            self.disarm(t.pack_start[u])
-        self._untracked(self._start, u, module, args, kwargs)
+        self.c = c + 1
+        ev = events[c]
+        u = ev.unit
+        if u >= 0:
+            if ev.track_close:
+                self.scoped = False
+                tracker = self.tracker
+                assert tracker is not None
+                tracker.close()
+                self._untracked(tracker.end_run_before, u)
+            if ev.disarm:
+                self.disarm(ev.pack)
+            elif ev.check and self.k != ev.pack:
+                raise self._pack_mismatch(ev.pack)
+            if ev.boundary:
+                self._untracked(self.boundary, u, module, args)
+            if ev.arm:
+                self.k = ev.pack
+                self.hooks.__enter__()
+                self.armed = True
+        if ev.top is not None:
+            self._untracked(self._top_call, ev.top, args, kwargs)
+        if ev.track_open:
+            self.scoped = True
+            self.tracker.open(u, module, args, kwargs)  # type: ignore[union-attr]
+
+    def _top_call(self, top: Tuple[int, int], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        s, i = top
+        frame = self.frames[s]
+        if i == 0:
+            frame = self.frames[s] = SegmentFrame(self.p.segments[s], self.state)
+            self.state.frames.append(frame)
+            frame.start()
+        elif frame is None:
+            raise PlanMismatchError(f"a checkpoint segment's module call {i} ran before its first call "
+                                    "(data-dependent control flow?)")
+        frame.capture(i, args, kwargs, self.state.entries)
 
     def _untracked(self, fn: Any, *a: Any) -> None:
-        """Run the step's own work; while the tracker is on (recomputed units in a row), its
-        torch calls are not glue."""
+        """Run the step's own work; while the tracker is on, its torch calls are not glue."""
         if not self.scoped:
             fn(*a)
             return
@@ -227,32 +258,13 @@ class _LeanStep:
         finally:
             tr._busy -= 1  # type: ignore[union-attr]
 
-    def _start(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        t = self.t
-        if t.armed[u]:
-            # the saved-tensor hooks are pushed only for segments that save a swapped or dropped
-            # tensor, or are tracked: packs elsewhere cost nothing (TE's offload context per layer
-            # does the same)
-            self.packs = t.pack_start[u]
-            self.limit = t.seg_end(u)
-            self.hooks.__enter__()
-            self.armed = True
-        if self.work[u]:
-            self.boundary(u, args)
-        if t.recompute[u]:
-            self.scoped = True
-            self.tracker.open(u, module, args, kwargs)  # type: ignore[union-attr]
-
     def disarm(self, expected: Optional[int]) -> None:
-        """Pop the saved-tensor hooks at the end of an armed segment; check its pack count
+        """Pop the saved-tensor hooks at the end of an armed span; check its pack count
         (``expected`` None: no check, the step is failing)."""
         self.armed = False
         self.hooks.__exit__(None, None, None)
-        if expected is not None and self.packs != expected:
-            raise PlanMismatchError(
-                f"a segment that ended at pack {expected} in the executor's first step ended at "
-                f"pack {self.packs} in this forward (data-dependent control flow?)"
-            )
+        if expected is not None and self.k != expected:
+            raise self._pack_mismatch(expected)
 
     def unwind(self) -> None:
         """The step failed: pop what is pushed, without checks."""
@@ -262,12 +274,12 @@ class _LeanStep:
         if self.armed:
             self.disarm(None)
 
-    def boundary(self, u: int, args: Tuple[Any, ...]) -> None:
+    def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
         st = self.state
         if st.by_unit or st.swapper is not None:
             st.stage_boundary(f"fwd:{u}")
         if u in st.prefetch_at:
-            self.post = (u, self.t.modules[self.calls - 1])
+            self.post = (u, module)
         s = u - 1
         if s in st.prefetch_at:
             # a fallback if unit s's output had no gradient: the gradients of unit u's inputs
@@ -280,56 +292,88 @@ class _LeanStep:
             if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
                 a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
 
-    # the forward hook of the unit modules of prefetch stages and recomputed units
-    def unit_end(self, module: nn.Module, output: Any) -> None:
+    # the forward hook of the unit modules of prefetch stages and tracked units
+    def call_end(self, module: nn.Module, output: Any) -> None:
         if self.scoped:
             self.tracker.end_unit(module, output)  # type: ignore[union-attr]
-        self._untracked(self._end, module, output)
-
-    def _end(self, module: nn.Module, output: Any) -> None:
         post = self.post
         if post is not None and post[1] is module:
             self.post = None
             # backward stage u starts (after the glue after it) when its output's gradient arrives
-            self._prefetch_hooks(post[0], output)
+            self._untracked(self._prefetch_hooks, post[0], output)
 
     def _call_mismatch(self, c: int, module: nn.Module) -> PlanMismatchError:
-        t = self.t
+        events = self.p.events
         got = self.ex.unit_modules.get(module, type(module).__name__)
-        want = self.ex.unit_modules.get(t.modules[c], "?") if c < len(t.modules) else "no further unit"
+        want = (self.ex.unit_modules.get(events[c].module, type(events[c].module).__name__) if c < len(events)
+                else "no further hooked call")
         return PlanMismatchError(
-            f"unit-module call {c} of this forward is {got!r}; in the executor's first step it was "
+            f"hooked module call {c} of this forward is {got!r}; in the executor's first step it was "
             f"{want!r} (data-dependent control flow or a different model)"
         )
 
-    # the saved-tensor pack hook (only in armed segments)
+    def _pack_mismatch(self, expected: int) -> PlanMismatchError:
+        return PlanMismatchError(
+            f"a span that ended at saved tensor {expected} in the executor's first step ended at "
+            f"saved tensor {self.k} in this forward (data-dependent control flow?)"
+        )
+
+    # the saved-tensor pack hook (only in armed spans)
     def pack(self, t: torch.Tensor) -> Any:
-        k = self.packs
-        self.packs = k + 1
-        tb = self.t
-        if k >= self.limit:
-            raise PlanMismatchError(
-                f"a segment saved more tensors than in the executor's first step ({self.limit} packs "
-                "up to its end; data-dependent control flow?)"
-            )
+        k = self.k
+        self.k = k + 1
         if self.scoped:
             return self.tracker.pack_at(k, t)  # type: ignore[union-attr]
-        a = tb.acts[k]
-        if a == RETAIN:
+        acts = self.acts
+        if k >= len(acts):
+            raise PlanMismatchError(f"this forward saved more tensors than the executor's first step ({len(acts)}; "
+                                    "data-dependent control flow?)")
+        a = acts[k]
+        if a == A_RETAIN:
             return t
-        if a == SWAP:
+        if a == A_HOLD:
+            s, i = self.hold[k]  # type: ignore[misc]
+            frame = self.frames[s]
+            if frame is None:
+                raise self._pack_mismatch(k)
+            h = frame.hold(i, t)
+            self.state.stats.dropped_tensors += 1
+            if self.state.verify:
+                self._verify(h, t, self.p.segments[s].first)
+            return h
+        if a == A_SWAP:
             return self._swap(k, t)
-        if a == REPLAY_VALUE and self.tracker is not None:
+        if a == A_HOLD_VALUE:
+            s, i, pos = self.hold[k]  # type: ignore[misc]
+            frame = self.frames[s]
+            if frame is None:
+                raise self._pack_mismatch(k)
+            h = frame.hold_value(i, pos, t)
+            self.state.stats.dropped_tensors += 1
+            if self.state.verify:
+                self._verify(h, t, self.p.segments[s].first)
+            return h
+        if a == A_TRACKED_VALUE and self.tracker is not None:
             return self.tracker.drop_at(k, t)
         raise PlanMismatchError(f"saved tensor {k} of this forward was made outside the segment that made it "
                                 "in the executor's first step (data-dependent control flow?)")
 
+    def _verify(self, h: Any, t: torch.Tensor, unit: int) -> None:
+        h.digest = checksum(t)
+        h.what = f"recompute of a saved tensor of the segment starting at unit {unit} ({self.p.table.names[unit]})"
+
     def _swap(self, k: int, t: torch.Tensor) -> Any:
         st = self.state
-        tb = self.t
+        tb = self.p.table
         entry = _steady_entry(st, tb, k, t)
         if self.tracker is not None:
             self.tracker.swapped_outside(entry, t)
+        binds = self.p.entry_args.get(k)
+        if binds:
+            for s, i, leaf in binds:
+                frame = self.frames[s]
+                if frame is not None:
+                    frame.bind_entry(i, leaf, entry)
         digest = what = None
         if st.verify:
             digest = checksum(t)
@@ -337,22 +381,28 @@ class _LeanStep:
         return _SwapHandle(st, entry, ViewMeta.of(t), t.device, digest, what or "")
 
     def finish(self, out: Any) -> None:
-        tb = self.t
-        if self.calls != len(tb.modules):
+        p = self.p
+        tb = p.table
+        n = len(tb.pack_start)
+        if self.c != len(p.events):
             raise PlanMismatchError(
-                f"the model ran {self.calls} unit-module calls, {len(tb.modules)} in the executor's first step"
+                f"the model made {self.c} calls of hooked modules, {len(p.events)} in the executor's first step"
             )
         if self.scoped:
             self.scoped = False
             self.tracker.close()  # type: ignore[union-attr]
+            self.tracker.end_run_before(n)  # type: ignore[union-attr]
         if self.armed:
             self.disarm(len(tb.acts))
         st = self.state
-        st.stats.units = len(tb.pack_start)
-        st.forward_done(len(tb.pack_start))
+        st.stats.units = n
+        st.forward_done(n)
         st.release_unneeded()
-        last = len(tb.pack_start) - 1
-        prefetch_last = (bool(tb.swaps) or st.swapper is not None) and last in st.prefetch_at
+        for frame in self.frames:
+            if frame is not None and not frame.live():
+                frame.release()  # nobody will need its replay
+        last = n - 1
+        prefetch_last = (bool(p.swaps) or st.swapper is not None) and last in st.prefetch_at
         # one hook per output and step: the backward of this step starts here
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:

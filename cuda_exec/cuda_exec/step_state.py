@@ -264,6 +264,10 @@ class _StepState:
         self.swapped: Dict[Tuple[int, int], _Entry] = {}
         self.by_unit: Dict[int, List[_Entry]] = defaultdict(list)
         self.runtimes: Dict[int, "_UnitRuntime"] = {}
+        #: the frames of the aligned checkpoint segments of a steady step (segment_frame.py)
+        self.frames: List[Any] = []
+        #: checkpoint segment (its first unit) -> its units' runtimes, in order, once the forward ended
+        self.run_members: Dict[int, List["_UnitRuntime"]] = {}
         self.direct_slots: Dict[ValueRec, List["_InputSlot"]] = defaultdict(list)
         #: storage key -> (unit, storage, bytes) of tensors dropped for recomputation that the
         #: forward may still hold
@@ -314,6 +318,9 @@ class _StepState:
         if isinstance(sys.exc_info()[1], torch.OutOfMemoryError):
             note_out_of_memory()  # verify mode then names the likely cause of a replay that differs
         self.on_abort()
+        for frame in self.frames:
+            frame.abort()
+        self.frames = []
         for e in list(self.entries.values()):
             e.free()
         for lst in self.by_unit.values():
@@ -429,12 +436,13 @@ class _StepState:
 def _unpack_handle(packed: Any) -> torch.Tensor:
     """Autograd needs a saved tensor back (full tracker and lean path alike): a handle's tensor,
     aborting the step if getting it fails."""
-    if isinstance(packed, _Handle):
-        try:
-            packed.state.enter_backward()
-            return packed.unpack()
-        except BaseException:
-            packed.state.abort()
-            raise
-    return packed
+    if isinstance(packed, torch.Tensor):
+        return packed
+    state = packed.state
+    try:
+        state.enter_backward()
+        return packed.unpack()
+    except BaseException:
+        state.abort()
+        raise
 

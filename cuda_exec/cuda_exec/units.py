@@ -53,6 +53,7 @@ recomputed producer is replayed first). One tracker context covers one forward.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import weakref
@@ -80,10 +81,13 @@ __all__ = [
     "Segment",
     "UnitRecord",
     "UnitTracker",
+    "CallRecord",
     "sequence_mismatch",
     "storage_bytes",
     "replaying",
     "is_replaying",
+    "enter_replay",
+    "leave_replay",
 ]
 
 #: Owner of tensors produced before the first unit (and of untracked tensors).
@@ -284,6 +288,11 @@ class GlueCall:
     out_values: List[Tuple[int, int]]  #: (position in flattened output, segment value index)
     mutated: List[Tuple[int, int]]  #: (position in flattened (args, kwargs), segment value index)
     grad_enabled: bool
+    #: the tracker's event count when the call ran (UnitTracker.events: module calls and glue
+    #: calls in the order of the forward), which places it inside or outside module calls
+    event: int = -1
+    #: the values (versions) of its tensor outputs and of the inputs it wrote into
+    produced: List["ValueRec"] = field(default_factory=list)
 
 
 @dataclass
@@ -340,6 +349,45 @@ class UnitRecord:
     saved_from: List[Tuple[int, int]] = field(default_factory=list)
     inplace: bool = False  #: its output is an input it modified in place
     saved_tensors: int = 0  #: packs of tensors it owns (a storage packed twice counts twice)
+    #: its segment drew random numbers (``UnitTracker(track_random=True)``; a checkpoint segment
+    #: containing it keeps the generators' state for its replay)
+    random: bool = False
+    act_storages: int = 0  #: storages of the saved tensors it owns
+    packs: int = 0  #: saved tensors its segment makes (of any owner)
+
+
+class CallRecord:
+    """One module call of a forward (``UnitTracker(record_calls=True)``: every module of the
+    model): where it starts and ends among the tracker's events (module calls and glue calls, in
+    order), the packs and unit starts before each end, what values its tensor arguments and
+    outputs were, and which buffers a unit's call wrote into."""
+
+    __slots__ = ("module", "parent", "enter", "exit", "pack_enter", "pack_exit", "units_enter", "units_exit",
+                 "arg_values", "arg_tensor", "arg_versions", "arg_written", "simple", "out_values", "buffers",
+                 "mutated_buffers", "unit")
+
+    def __init__(self, module: nn.Module, parent: int, enter: int, pack: int, units: int,
+                 arg_values: List[Optional["ValueRec"]]) -> None:
+        self.module = module
+        self.parent = parent  #: the enclosing call (index in UnitTracker.calls), -1 at the top
+        self.enter = enter
+        self.exit = -1
+        self.pack_enter = pack
+        self.pack_exit = -1
+        self.units_enter = units  #: units started before it
+        self.units_exit = -1  #: units started before it returned
+        #: per leaf of its flattened (args, kwargs): the value of a tensor leaf (None: not a
+        #: tensor, or unknown to the step)
+        self.arg_values = arg_values
+        self.arg_tensor: List[bool] = []  #: per leaf: a tensor
+        self.simple = False  #: called with positional tensors only
+        self.arg_versions: List[int] = []
+        #: per leaf: the call wrote into that tensor argument in place
+        self.arg_written: List[bool] = []
+        self.out_values: List[Optional["ValueRec"]] = []
+        self.buffers: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.mutated_buffers: List[torch.Tensor] = []
+        self.unit = -1  #: the unit this call starts, -1 when it starts none
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,6 +438,15 @@ def is_replaying() -> bool:
     return getattr(_TLS, "depth", 0) > 0
 
 
+def enter_replay() -> None:
+    """:func:`replaying` without a context manager (pair it with :func:`leave_replay`)."""
+    _TLS.depth = getattr(_TLS, "depth", 0) + 1
+
+
+def leave_replay() -> None:
+    _TLS.depth -= 1
+
+
 class _GlueMode(TorchFunctionMode):
     def __init__(self, tracker: "UnitTracker") -> None:
         super().__init__()
@@ -424,8 +481,27 @@ class UnitTracker:
         *,
         keep_replay_info: bool = False,
         unit_modules: Optional[Dict[nn.Module, str]] = None,
+        track_random: bool = False,
+        record_calls: bool = False,
     ) -> None:
         self.model = model
+        #: record every module call (CallRecord) and per unit its call: ``calls``, ``unit_call``;
+        #: ``glue_scopes()`` then says which module call encloses each unit's glue
+        self.record_calls = record_calls
+        self.calls: List[CallRecord] = []
+        self.unit_call: List[int] = []
+        self._call_stack: List[int] = []
+        self._call_args: List[List[Any]] = []
+        #: packs seen (while active, outside the tracker's own work and replays)
+        self.pack_count = 0
+        #: (event, unit) of every glue call with tensor outputs or in-place writes
+        self.glue_events: List[Tuple[int, int]] = []
+        #: compare the random-number generators' states at every unit start (UnitRecord.random)
+        self.track_random = track_random
+        #: glue calls with tensor outputs (or in-place writes) so far, and whatever a subclass
+        #: counts with them (the executor's learning step: module calls): an order of events
+        self.events = 0
+        self._rng_at_start: Optional[List[torch.Tensor]] = None
         self.unit_modules: Dict[nn.Module, str] = (
             unit_modules if unit_modules is not None else discover_units(model, units)
         )
@@ -470,6 +546,11 @@ class UnitTracker:
             if _is_plain(t)
         }
         try:
+            if self.record_calls:  # before the unit hooks (prepend), after the model inputs' (below)
+                for module in self.model.modules():
+                    self._handles.append(module.register_forward_pre_hook(self._call_start, with_kwargs=True,
+                                                                          prepend=True))
+                    self._handles.append(module.register_forward_hook(self._call_end))
             self._handles.append(
                 self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True, prepend=True)
             )
@@ -487,6 +568,8 @@ class UnitTracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.track_random and exc_type is None:
+            self._note_random(len(self.records))
         self._uninstall()
         if exc_type is None:
             self._finalize()
@@ -677,14 +760,145 @@ class UnitTracker:
             return
         self._busy += 1
         try:
-            self._open_unit(len(self.segments), module, args, kwargs)
+            index = len(self.segments)
+            if self.record_calls and self._call_stack:
+                c = self._call_stack[-1]  # this module's call (its record is made first)
+                self.calls[c].unit = index
+                self.unit_call.append(c)
+            self._open_unit(index, module, args, kwargs)
         finally:
             self._busy -= 1
+
+    def _call_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        if not self._active or is_replaying():
+            return
+        self._busy += 1  # its own torch calls are not glue
+        try:
+            leaves = pytree.tree_leaves((args, kwargs))
+            rec = CallRecord(module, self._call_stack[-1] if self._call_stack else -1, self.events,
+                             self.pack_count, len(self.segments),
+                             [self.value_of(x) if isinstance(x, torch.Tensor) else None for x in leaves])
+            rec.arg_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+            rec.arg_versions = [x._version if isinstance(x, torch.Tensor) else 0 for x in leaves]
+            rec.simple = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+            if module in self.unit_modules and self._depth == 0:
+                # a unit's call: which buffers it writes into (BatchNorm's running statistics are
+                # written by its kernel without a version bump: compared by content)
+                with torch.no_grad():
+                    rec.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+            self.events += 1
+            self._call_args.append(leaves)
+            self._call_stack.append(len(self.calls))
+            self.calls.append(rec)
+        finally:
+            self._busy -= 1
+
+    def _call_end(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+        if not self._active or is_replaying() or not self._call_stack:
+            return
+        self._busy += 1
+        try:
+            rec = self.calls[self._call_stack.pop()]
+            leaves = self._call_args.pop()
+            if rec.module is not module:  # pragma: no cover - a hook of another kind failed in between
+                self._call_stack.clear()
+                self._call_args.clear()
+                return
+            rec.exit = self.events
+            self.events += 1
+            rec.arg_written = [isinstance(x, torch.Tensor) and x._version != v
+                               for x, v in zip(leaves, rec.arg_versions)]
+            rec.pack_exit = self.pack_count
+            rec.units_exit = len(self.segments)
+            rec.out_values = [self.value_of(x) if isinstance(x, torch.Tensor) else None
+                              for x in pytree.tree_leaves(output)]
+            with torch.no_grad():
+                rec.mutated_buffers = [b for b, before in rec.buffers
+                                       if b.shape != before.shape or not torch.equal(b, before)]
+            rec.buffers = []
+        finally:
+            self._busy -= 1
+
+    def _unit_event(self, u: int) -> int:
+        return self.calls[self.unit_call[u]].enter if u < len(self.unit_call) else self.events
+
+    def replayable_call(self, c: int) -> bool:
+        """Whether call ``c`` can be replayed for the units it runs: it runs at least one unit and
+        no glue (with tensor outputs) before its first unit (that glue belongs to the unit before)."""
+        rec = self.calls[c]
+        if rec.exit < 0 or rec.units_exit <= rec.units_enter:
+            return False
+        first = self._unit_event(rec.units_enter)
+        i = bisect.bisect_right(self._glue_event_list(), rec.enter)
+        events = self._glue_event_list()
+        return not (i < len(events) and events[i] < first)
+
+    def _glue_event_list(self) -> List[int]:
+        if getattr(self, "_glue_sorted", None) is None or len(self._glue_sorted) != len(self.glue_events):
+            self._glue_sorted = [e for e, _ in self.glue_events]
+        return self._glue_sorted
+
+    def glue_scopes(self) -> List[Optional[Tuple[int, int]]]:
+        """Per unit (``record_calls``): None if its segment runs no glue (with tensor outputs), else
+        the units ``(first, last)`` of the innermost replayable module call (``replayable_call``)
+        that encloses all of its glue: a checkpoint segment containing those units can be replayed
+        by calling that module again. ``(-1, -1)``: no module call does (glue at the model's top
+        level, after glue that precedes its first unit)."""
+        n = len(self.records)
+        out: List[Optional[Tuple[int, int]]] = [None] * n
+        # the innermost call enclosing each event: calls are nested, so a stack walk over the
+        # calls by their enter order finds it
+        by_unit: Dict[int, List[int]] = defaultdict(list)
+        for event, unit in self.glue_events:
+            if 0 <= unit < n:
+                by_unit[unit].append(event)
+        if not by_unit:
+            return out
+        enters = [rec.enter for rec in self.calls]
+        for unit, events in by_unit.items():
+            scope: Optional[int] = None
+            for event in events:
+                # innermost call containing the event: the last call entered before it that has
+                # not exited yet, found by walking up from the last call entered before it
+                c = bisect.bisect_right(enters, event) - 1
+                while c >= 0 and not (self.calls[c].enter < event < self.calls[c].exit):
+                    c = self.calls[c].parent
+                while c >= 0 and not self.replayable_call(c):
+                    c = self.calls[c].parent
+                if c < 0:
+                    scope = -1
+                    break
+                # the scope must hold every glue call of the unit: the outermost of them
+                if scope is None or self.calls[c].enter < self.calls[scope].enter:
+                    scope = c
+            if scope is None or scope < 0:
+                out[unit] = (-1, -1)
+            else:
+                rec = self.calls[scope]
+                out[unit] = (rec.units_enter, rec.units_exit - 1)
+        return out
+
+    def _generator_states(self) -> List[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states += torch.cuda.get_rng_state_all()
+        return states
+
+    def _note_random(self, index: int) -> None:
+        """At unit ``index``'s start (``index`` = the number of units: the forward's end): did the
+        segment of the unit before it draw random numbers?"""
+        now = self._generator_states()
+        before, self._rng_at_start = self._rng_at_start, now
+        if before is not None and 0 < index <= len(self.records) and self.records[index - 1] is not None:
+            self.records[index - 1].random = any(
+                a.shape != b.shape or not torch.equal(a, b) for a, b in zip(before, now)) or len(before) != len(now)
 
     def _open_unit(self, index: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Start unit ``index`` (its module is about to run with ``args``/``kwargs``): record its
         inputs and open its segment. A tracker that sees only some units (the executor's steady
         steps) leaves None in the places of the units it did not see."""
+        if self.track_random:
+            self._note_random(index)
         call = self._calls.get(module, 0)
         self._calls[module] = call + 1
         qual = self.unit_modules[module]
@@ -812,7 +1026,11 @@ class UnitTracker:
                     j = self._add_seg_value(seg, t, val if val.owner == unit else None)
                     mutated.append((pos, j))
             if seg is not None and self.keep_replay_info:
-                seg.calls.append(GlueCall(func, refs, spec, out_values, mutated, grad_enabled))
+                produced = [v for v in (self.value_of(x) for x in out_leaves) if v is not None]
+                produced += [v for v in (self.value_of(leaves[pos]) for pos in mutated_pos) if v is not None]
+                seg.calls.append(GlueCall(func, refs, spec, out_values, mutated, grad_enabled, self.events, produced))
+            self.glue_events.append((self.events, unit))
+            self.events += 1
             return out
         finally:
             self._busy -= 1
@@ -824,6 +1042,7 @@ class UnitTracker:
     def _pack_hook(self, t: torch.Tensor) -> Any:
         if not self._active or self._busy > 0 or is_replaying():
             return t
+        self.pack_count += 1
         self._busy += 1
         try:
             reader = self.segment_unit
@@ -899,6 +1118,8 @@ class UnitTracker:
             rec.output_bytes = sum({v.storage_id: v.nbytes for v in outs}.values())
             rec.output_saved = any(v.saved for v in outs)
             rec.act_bytes = sum(self._act[i].values())
+            rec.act_storages = len(self._act[i])
+            rec.packs = len(seg.packs)
             rec.saved_tensors = self._owned_packs[i]
             rec.held_input_bytes = sum(held.values())
             by_owner: Dict[int, int] = {}

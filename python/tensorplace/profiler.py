@@ -68,9 +68,11 @@ inside the nodes' windows; the profiler's node pre-hooks leave both alone.
 Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
 ---------------------------------------------------------------------------------
 - act_bytes, output_bytes, output_saved, read_by, held_input_bytes, saved_inputs, inputs,
-  model_inputs: from the unit tracker (saved-tensor ownership by storage and version). On a CPU,
-  held_input_bytes also counts the generator state the executor keeps for a replay
-  (`cuda_exec.executor.replay_state_bytes`), device memory there.
+  model_inputs, random: from the unit tracker (saved-tensor ownership by storage and version;
+  `random`: the generators' state changed across the unit's segment). A checkpoint segment with a
+  random unit keeps the generators' state for its replay: `rng_state_bytes` of the profile
+  (`cuda_exec.executor.replay_state_bytes`: the CPU generator's state on a CPU, device memory
+  there; 0 on a GPU).
 - replay_transient_bytes, lingering_bytes, lingering_until: from the replay step.
 - grad_bytes: bytes of the gradients of the unit's own parameters (`recurse=False` for a leaf
   unit, all parameters of a coarser unit; shared parameters counted once). A module invoked more
@@ -762,12 +764,18 @@ class _Clock:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            return ev
+            return ev, time.perf_counter()
         return time.perf_counter()
 
     def seconds(self, a: Any, b: Any) -> float:
         if self.cuda:
-            return a.elapsed_time(b) / 1e3
+            return a[0].elapsed_time(b[0]) / 1e3
+        return b - a
+
+    def host_seconds(self, a: Any, b: Any) -> float:
+        """The host's time between two marks (on a GPU the host runs ahead of the device)."""
+        if self.cuda:
+            return b[1] - a[1]
         return b - a
 
     def sync(self) -> None:
@@ -892,10 +900,15 @@ class _Instruments:
 
     # -- results -------------------------------------------------------------------------------
 
-    def stage_times(self) -> Tuple[List[float], List[float], float]:
+    def host_stage_times(self) -> Tuple[List[float], List[float]]:
+        """(fwd[i], bwd[i]) host seconds of the same windows (GPU: the time to issue them)."""
+        fwd, bwd, _ = self.stage_times(self.clock.host_seconds)
+        return fwd, bwd
+
+    def stage_times(self, sec: Optional[Callable[[Any, Any], float]] = None) -> Tuple[List[float], List[float], float]:
         """(fwd[i], bwd[i], step) seconds; the windows of the module docstring."""
         n = len(self.sequence)
-        sec = self.clock.seconds
+        sec = sec or self.clock.seconds
         fwd = [0.0] * n
         for i in range(n):
             start = self.step_begin if i == 0 else self.fwd_start[i]
@@ -970,6 +983,23 @@ def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], los
     finally:
         planned.close()
         _clear_grads(model)
+
+
+def _executor_costs(dev: torch.device, backend: Any) -> Optional[Dict[str, float]]:
+    """The executor's host costs on ``dev`` (cuda_exec/calibrate.py), or None (with a warning)
+    where they cannot be measured."""
+    calibrate = _cuda_exec_module("calibrate")
+    if calibrate is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {k: float(v) for k, v in calibrate.executor_costs(dev, backend).items()}
+    except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
+        warnings.warn(f"the executor's host costs could not be measured ({type(exc).__name__}: {exc}); the "
+                      "profile has no executor section and plans are predicted without them",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _clear_grads(model: nn.Module) -> None:
@@ -1211,9 +1241,15 @@ def profile_model(
         for _ in range(int(warmup) - 1):
             _run_step(model, args, loss_fn)
         # The structure step (the last warm-up step): units, ownership, edges.
-        tracker = units_mod.UnitTracker(model, unit_modules=unit_map)
+        tracker = units_mod.UnitTracker(model, unit_modules=unit_map, track_random=True, record_calls=True)
         _run_step(model, args, loss_fn, tracker=tracker)
         records = list(tracker.records)
+        scopes = tracker.glue_scopes()
+        glue_ops = [0] * len(records)
+        for _event, unit in tracker.glue_events:
+            if 0 <= unit < len(records):
+                glue_ops[unit] += 1
+        del tracker  # it holds the step's values
         expected = [(r.name, r.kind) for r in records]
         n = len(records)
         if n == 0:
@@ -1235,6 +1271,8 @@ def profile_model(
         # by scaling the stage times to the uninstrumented step (module docstring).
         fwd_runs: List[List[float]] = []
         bwd_runs: List[List[float]] = []
+        host_fwd_runs: List[List[float]] = []  # on a GPU: the host's time to issue each stage
+        host_bwd_runs: List[List[float]] = []
         step_runs: List[float] = []
         plain_runs: List[float] = []
         for k in range(int(repeats)):
@@ -1244,6 +1282,10 @@ def profile_model(
             fwd, bwd, step = inst.stage_times()
             fwd_runs.append(fwd)
             bwd_runs.append(bwd)
+            if clock.cuda:
+                hf, hb = inst.host_stage_times()
+                host_fwd_runs.append(hf)
+                host_bwd_runs.append(hb)
             step_runs.append(step)
             plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
@@ -1257,6 +1299,9 @@ def profile_model(
         )
     d2h, h2d = copy_bandwidth(dev, backend)
     replay_state = executor_mod.replay_state_bytes(dev)
+    host_fwd = host_fwd_runs or None
+    host_bwd = host_bwd_runs or None
+    costs = _executor_costs(dev, backend)
 
     grads = _grad_bytes(records, unit_map, model, grad_window)
     plain_step = statistics.median(plain_runs)
@@ -1276,7 +1321,11 @@ def profile_model(
             "output_bytes": int(r.output_bytes),
             "output_saved": bool(r.output_saved),
             "read_by": list(r.read_by),
-            "held_input_bytes": int(r.held_input_bytes) + replay_state,
+            "held_input_bytes": int(r.held_input_bytes),
+            "random": bool(r.random),
+            "packs": int(r.packs),
+            "act_storages": int(r.act_storages),
+            "glue_ops": int(glue_ops[i]),
             "held_from": [[int(p), int(b)] for p, b in r.held_from],
             "saved_from": [[int(p), int(b)] for p, b in r.saved_from],
             "saved_inputs": list(r.saved_inputs),
@@ -1284,6 +1333,11 @@ def profile_model(
             "bwd_transient_bytes": 0,
             "grad_bytes": int(grads[i]),
         })
+        if scopes[i] is not None:
+            out_units[-1]["glue_scope"] = [int(scopes[i][0]), int(scopes[i][1])]
+        if host_fwd is not None:
+            out_units[-1]["fwd_host_time"] = scale * statistics.median(run[i] for run in host_fwd)
+            out_units[-1]["bwd_host_time"] = scale * statistics.median(run[i] for run in host_bwd)
         if opt_units is not None:
             out_units[-1].update(opt_units[i])
     last_fwd = _last_fwd_readers(out_units)
@@ -1320,6 +1374,8 @@ def profile_model(
             "instrumented_step_time": instrumented_step,
         },
         "copy_engines": int(getattr(backend, "copy_engines", 1)) if backend is not None else _copy_engines(dev),
+        "rng_state_bytes": replay_state,
+        **({"executor": costs} if costs is not None else {}),
         "environment": environment(dev),
         **({"optimizer": opt_other} if opt_other is not None else {}),
         "units": out_units,

@@ -120,6 +120,10 @@ pub struct Outcome {
     pub compute_time: f64,
     pub swap_stall: f64,
     pub recompute: f64,
+    /// Time the compute stream spent on the host's work beyond the stages' own (the executor's
+    /// host costs; on a profile with host times, also the waits for a host that issues kernels
+    /// slower than the device runs them): `step_time = compute + swap_stall + recompute + host`.
+    pub host_time: f64,
     pub copy_time: f64,
     pub overlapped_copy: f64,
     /// Swap-outs still in flight when their unit was needed again (the device copy was used).
@@ -192,8 +196,15 @@ pub struct Scratch {
     /// Bytes of saved values of other segments' recomputed units that a recomputed unit holds
     /// from its forward to its own backward (its replay reuses them as its saved tensors).
     held_saved: Vec<u64>,
-    /// A recomputed unit's replay regenerates a value a later unit of its run reads.
-    feeds_run: Vec<bool>,
+    /// Per run (indexed by its first unit): some unit of it draws random numbers (the run keeps
+    /// the generators' state for its replay), and some unit of it has activations (it is
+    /// replayed when the backward first needs them).
+    run_random: Vec<bool>,
+    run_replays: Vec<bool>,
+    /// Per run: the executor tracks it (some unit's glue lies outside the run's module calls).
+    run_tracked: Vec<bool>,
+    /// Per unit: the executor's host seconds in its forward stage under this plan.
+    fwd_over: Vec<f64>,
     /// Per producer, the run that last charged holding its values (dedupes a run's held inputs).
     charged_run: Vec<usize>,
     /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
@@ -241,8 +252,12 @@ impl Scratch {
         self.held_bytes.resize(n, 0);
         self.held_saved.clear();
         self.held_saved.resize(n, 0);
-        self.feeds_run.clear();
-        self.feeds_run.resize(n, false);
+        for v in [&mut self.run_random, &mut self.run_replays, &mut self.run_tracked] {
+            v.clear();
+            v.resize(n, false);
+        }
+        self.fwd_over.clear();
+        self.fwd_over.resize(n, 0.0);
         self.charged_run.clear();
         self.charged_run.resize(n, usize::MAX);
         self.replayed.clear();
@@ -270,6 +285,10 @@ struct Sim<'a, E: MemoryEvents> {
     s: &'a mut Scratch,
     head: usize,
     t: f64,
+    /// The host's clock (profiles with host times: it issues the stages' kernels, running ahead
+    /// of the compute stream `t`), and the time the compute stream waited for it.
+    h: f64,
+    host: f64,
     /// When each copy queue is free: [device-to-host, host-to-device] (the same queue, index 0,
     /// with one copy engine).
     copy_free: [f64; 2],
@@ -503,6 +522,25 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         }
     }
 
+    /// The compute stream runs work of `device` seconds that the host issues in `host` seconds
+    /// (None: the host runs the kernels itself, a CPU: its work adds to them) plus `over` seconds
+    /// of the executor's own work.
+    fn run_stage(&mut self, device: f64, host: Option<f64>, over: f64) {
+        match host {
+            None => {
+                self.t += device + over;
+                self.host += over;
+            }
+            Some(issue) => {
+                // the host issues in program order and never waits for the device within the step
+                self.h += issue + over;
+                let end = (self.t + device).max(self.h);
+                self.host += end - (self.t + device);
+                self.t = end;
+            }
+        }
+    }
+
     fn begin_stage(&mut self, stage: Stage) {
         self.stage = stage;
         self.release_completed();
@@ -589,7 +627,32 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.ensure(u, i);
             return;
         }
-        self.replay(u, i);
+        if self.actions[u] == Action::Recompute && !self.s.replayed[u] {
+            self.replay_run(u, i);
+        } else {
+            // Replayed with its segment, its activations already let go (nobody read them since):
+            // the segment is not replayed twice; the reader's replay counts it as kept.
+        }
+    }
+
+    /// Replay the checkpoint segment (run of recomputed units) of unit `u` at backward stage
+    /// `i`, once: every unit of it not replayed yet, in order, as torch.utils.checkpoint replays
+    /// its region when the backward first needs one of its tensors.
+    fn replay_run(&mut self, u: usize, i: usize) {
+        let start = self.s.run_start[u];
+        // the executor's setup of the replay (its frame, the kept arguments; a tracked run's
+        // recording), once per segment
+        let setup = self.g.costs.segment;
+        if setup > 0.0 {
+            self.run_stage(0.0, self.g.fwd_host.as_ref().map(|_| 0.0), setup);
+        }
+        let mut v = start;
+        while v < self.g.n && self.actions[v] == Action::Recompute && self.s.run_start[v] == start {
+            if !self.s.replayed[v] {
+                self.replay(v, i);
+            }
+            v += 1;
+        }
     }
 
     /// Replay unit `u`'s forward, chaining through inputs that are not resident.
@@ -635,10 +698,11 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.ev.alloc(What::Act(u), g.act[u], self.t);
             self.ev.alloc(What::ReplayWork(u), g.replay_extra[u], self.t);
         }
+        let start = self.t;
+        self.run_stage(g.fwd_time[u], g.fwd_host.as_ref().map(|h| h[u]), 0.0);
         if self.record {
-            self.replays.push((u, i, self.t, self.t + g.fwd_time[u]));
+            self.replays.push((u, i, start, self.t));
         }
-        self.t += g.fwd_time[u];
         if E::ENABLED {
             // The transients leave when the replay ends (no other event comes between).
             for w in [What::ReplayWork(u), What::Regenerated(u), What::Kept(u), What::ReplayGrad(i), What::BwdWork(i)] {
@@ -748,6 +812,8 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         s: scratch,
         head: 0,
         t: 0.0,
+        h: 0.0,
+        host: 0.0,
         copy_free: [0.0; 2],
         h2d_queue: if g.copy_engines >= 2 { 1 } else { 0 },
         mem: constant,
@@ -792,14 +858,19 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         for &(p, b) in &g.held_from[u] {
             if run <= p {
                 held -= b;
-                sim.s.feeds_run[p] = true;
             } else if sim.s.charged_run[p] == run {
                 held -= b;
             } else {
                 sim.s.charged_run[p] = run;
             }
         }
-        sim.s.held_bytes[u] = held;
+        // The generators' state, once per segment whose forward draws random numbers: kept by its
+        // first unit from its forward to its replay.
+        if g.random[u] && !sim.s.run_random[run] {
+            sim.s.run_random[run] = true;
+            sim.s.held_bytes[run] += g.rng_state;
+        }
+        sim.s.held_bytes[u] += held;
         // Saved values of a unit recomputed in another segment: held, once per segment, until the
         // backward of the first unit of the segment that reads them.
         for &(p, b) in &g.saved_from[u] {
@@ -807,6 +878,44 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
                 sim.s.charged_run[p] = run;
                 sim.s.held_saved[u] += b;
             }
+        }
+    }
+
+    // The executor's host work per forward stage under this plan (docs/cost-model.md, "Host
+    // time"): per swapped storage, per saved tensor of a recomputed unit's segment, per glue call
+    // of a tracked run (one with a unit whose glue lies outside the run's module calls).
+    let c = g.costs;
+    if c != crate::profile::ExecutorCosts::default() {
+        for u in 0..n {
+            sim.s.fwd_over[u] = match actions[u] {
+                Action::Retain => 0.0,
+                Action::Swap => {
+                    let per = g.act[u] as f64 / g.act_storages[u].max(1.0);
+                    let cost = if per > c.inline_bytes { c.swap_async.unwrap_or(c.swap) } else { c.swap };
+                    cost * g.act_storages[u]
+                }
+                Action::Recompute => c.drop * g.packs[u],
+            };
+        }
+        let mut u = 0;
+        while u < n {
+            if actions[u] != Action::Recompute {
+                u += 1;
+                continue;
+            }
+            let run = sim.s.run_start[u];
+            let mut end = u;
+            while end + 1 < n && actions[end + 1] == Action::Recompute && sim.s.run_start[end + 1] == run {
+                end += 1;
+            }
+            let tracked = (run..=end).any(|v| matches!(g.glue_scope[v], Some((f, l)) if f < run || l > end));
+            sim.s.run_tracked[run] = tracked;
+            if tracked {
+                for v in run..=end {
+                    sim.s.fwd_over[v] += c.tracked_op * g.glue_ops[v];
+                }
+            }
+            u = end + 1;
         }
     }
 
@@ -841,7 +950,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
             }
             sim.ev.alloc(What::FwdWork(i), g.fwd_transient[i], sim.t);
         }
-        sim.t += g.fwd_time[i];
+        sim.run_stage(g.fwd_time[i], g.fwd_host.as_ref().map(|h| h[i]), sim.s.fwd_over[i]);
         // The stage's scratch leaves when its compute ends (no other event comes between).
         sim.ev.free(What::FwdWork(i), sim.t);
         sim.mem += alloc;
@@ -881,10 +990,15 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         sim.touch(sim.mem);
         sim.end_stage(t0);
     }
-    // A recomputed unit without activations is never replayed (unless its run's replay needs a
-    // value it produces): its held inputs leave when the forward ends.
+    // A segment none of whose units has activations is never replayed: its held inputs leave
+    // when the forward ends.
     for u in 0..n {
-        if actions[u] == Action::Recompute && g.act[u] == 0 && !sim.s.feeds_run[u] {
+        if actions[u] == Action::Recompute && g.act[u] > 0 {
+            sim.s.run_replays[sim.s.run_start[u]] = true;
+        }
+    }
+    for u in 0..n {
+        if actions[u] == Action::Recompute && !sim.s.run_replays[sim.s.run_start[u]] {
             sim.release_held(u);
         }
     }
@@ -922,7 +1036,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
             // its own segment's replay hands it back.
             if actions[i] == Action::Recompute && actions[u] == Action::Recompute && u < sim.s.run_start[i] {
                 if !sim.s.replayed[i] {
-                    sim.replay(i, i);
+                    sim.replay_run(i, i);
                 }
                 continue;
             }
@@ -933,7 +1047,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
             sim.ev.alloc(What::BwdWork(i), g.bwd_transient[i], sim.t);
             sim.ev.alloc(What::Grad(i), g.grad[i], sim.t);
         }
-        sim.t += g.bwd_time[i];
+        sim.run_stage(g.bwd_time[i], g.bwd_host.as_ref().map(|h| h[i]), 0.0);
         sim.ev.free(What::BwdWork(i), sim.t);
         sim.mem += g.grad[i];
         for &u in &g.frees_after_bwd[i] {
@@ -1012,6 +1126,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         compute_time,
         swap_stall: sim.stall,
         recompute: sim.recompute,
+        host_time: sim.host,
         copy_time: sim.copy_time,
         overlapped_copy: (sim.copy_time - sim.stall).max(0.0),
         cancelled_swaps: sim.cancelled,

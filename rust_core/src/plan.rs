@@ -137,6 +137,10 @@ pub struct Predicted {
     pub compute_time: f64,
     pub swap_stall: f64,
     pub recompute: f64,
+    /// The executor's host time the step pays (docs/cost-model.md, "Host time"); 0 in plans made
+    /// before it was modelled.
+    #[serde(default)]
+    pub host_time: f64,
     pub copy_time: f64,
     pub overlapped_copy: f64,
     pub peak_bytes: u64,
@@ -160,6 +164,7 @@ impl Predicted {
             compute_time: o.compute_time,
             swap_stall: o.swap_stall,
             recompute: o.recompute,
+            host_time: o.host_time,
             copy_time: o.copy_time,
             overlapped_copy: o.overlapped_copy,
             peak_bytes: o.peak_bytes,

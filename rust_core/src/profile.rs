@@ -102,6 +102,60 @@ pub struct Unit {
     /// Memory that part of the optimizer step allocates while it runs (freed at its end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_transient_bytes: Option<i64>,
+    /// The unit's segment (its module call and the glue after it) draws random numbers: a
+    /// checkpoint segment that contains it keeps the generators' state for its replay
+    /// (`rng_state_bytes` of the profile). Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub random: bool,
+    /// Saved tensors its segment makes (of any owner): the executor's hooks handle each one when
+    /// the unit's action moves them (docs/cost-model.md, "Host time"). Absent: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packs: Option<u32>,
+    /// Storages of its activations (each swapped storage is one copy out and back). Absent: 1
+    /// when it has activations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_storages: Option<u32>,
+    /// Glue calls of its segment (torch calls between its module call and the next unit's) with
+    /// tensor outputs. Absent: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub glue_ops: Option<u32>,
+    /// The units `[first, last]` of the innermost module call that holds all of its glue (and runs
+    /// no glue before its first unit): a checkpoint segment that contains them is replayed by
+    /// calling that module again; one that does not is tracked. `[-1, -1]`: no module call does.
+    /// Absent: its segment has no glue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub glue_scope: Option<[i64; 2]>,
+    /// Host seconds to issue its forward and backward stages (on a GPU, where kernels run
+    /// asynchronously; docs/cost-model.md, "Host time"). Absent (a CPU profile): the host runs
+    /// the kernels itself and the stage times already contain its work.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fwd_host_time: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bwd_host_time: Option<f64>,
+}
+
+/// The executor's own host seconds per action on the profiled device (cuda_exec/calibrate.py):
+/// what a plan's step costs beyond the plain step's stages and its replays' forwards.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExecutorCosts {
+    /// Per replayed checkpoint segment.
+    #[serde(default)]
+    pub segment: f64,
+    /// Per saved tensor a recomputed unit's segment makes (dropped, regenerated, unpacked).
+    #[serde(default)]
+    pub drop: f64,
+    /// Per swapped storage (its copy out and back, its unpack).
+    #[serde(default)]
+    pub swap: f64,
+    /// Per swapped storage larger than `inline_bytes` (the CPU backend copies those on its copy
+    /// thread, smaller ones on the caller's). Absent: `swap`.
+    #[serde(default)]
+    pub swap_async: Option<f64>,
+    #[serde(default)]
+    pub inline_bytes: f64,
+    /// Per glue call of a tracked segment (recorded in the forward, replayed from the recording).
+    #[serde(default)]
+    pub tracked_op: f64,
 }
 
 /// The optimizer step after the backward (docs/cost-model.md, "Optimizer step"): present when
@@ -161,6 +215,14 @@ pub struct Profile {
     /// The optimizer step (absent: the step ends with the backward, as before it was modelled).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<OptimizerStep>,
+    /// Device bytes of the random-number generators' state a checkpoint segment whose forward
+    /// draws random numbers keeps from its start to its replay (the CPU generator's state on a
+    /// CPU, where it is device memory; 0 on a GPU). Absent: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rng_state_bytes: Option<u64>,
+    /// The executor's host costs on the profiled device (absent: none charged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor: Option<ExecutorCosts>,
     pub units: Vec<Unit>,
 }
 
@@ -177,6 +239,21 @@ pub struct Graph {
     pub out: Vec<u64>,
     pub out_saved: Vec<bool>,
     pub held: Vec<u64>,
+    /// Per unit, whether its segment draws random numbers (a checkpoint segment containing it
+    /// holds `rng_state` bytes from its start to its replay).
+    pub random: Vec<bool>,
+    pub rng_state: u64,
+    /// Per unit: saved tensors its segment makes, storages of its activations, glue calls of its
+    /// segment (as f64: the host costs multiply them), the units of the module call holding its
+    /// glue (`Some((usize::MAX, usize::MAX))`: none; None: no glue).
+    pub packs: Vec<f64>,
+    pub act_storages: Vec<f64>,
+    pub glue_ops: Vec<f64>,
+    pub glue_scope: Vec<Option<(usize, usize)>>,
+    /// Host seconds to issue each stage (GPU profiles), None on a CPU.
+    pub fwd_host: Option<Vec<f64>>,
+    pub bwd_host: Option<Vec<f64>>,
+    pub costs: ExecutorCosts,
     /// Per unit, `held_from` as (producer, bytes) pairs (empty when the profile has none).
     pub held_from: Vec<Vec<(usize, u64)>>,
     /// Per unit, `saved_from` as (producer, bytes) pairs (empty when the profile has none).
@@ -347,6 +424,22 @@ impl Profile {
                 )));
             }
         }
+        if let Some(c) = &self.executor {
+            for (what, v) in [
+                ("segment", c.segment),
+                ("drop", c.drop),
+                ("swap", c.swap),
+                ("swap_async", c.swap_async.unwrap_or(0.0)),
+                ("tracked_op", c.tracked_op),
+                ("inline_bytes", c.inline_bytes),
+            ] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "executor.{what} is {v}; the executor's host costs are non-negative seconds"
+                    )));
+                }
+            }
+        }
         let copy_engines = self.copy_engines.unwrap_or(1);
         if !(1..=2).contains(&copy_engines) {
             return Err(CoreError::InvalidProfile(format!(
@@ -410,7 +503,13 @@ impl Profile {
                     )));
                 }
             }
-            for (what, v) in [("fwd_time", u.fwd_time), ("bwd_time", u.bwd_time), ("optimizer_time", u.optimizer_time.unwrap_or(0.0))] {
+            for (what, v) in [
+                ("fwd_time", u.fwd_time),
+                ("bwd_time", u.bwd_time),
+                ("optimizer_time", u.optimizer_time.unwrap_or(0.0)),
+                ("fwd_host_time", u.fwd_host_time.unwrap_or(0.0)),
+                ("bwd_host_time", u.bwd_host_time.unwrap_or(0.0)),
+            ] {
                 if !(v.is_finite() && v >= 0.0) {
                     return Err(CoreError::InvalidProfile(format!(
                         "unit {i} ({}) has {what} = {v}; times are seconds >= 0",
@@ -604,6 +703,35 @@ impl Profile {
             out: u64s(&|u| u.output_bytes),
             out_saved: self.units.iter().map(|u| u.output_saved).collect(),
             held: u64s(&|u| u.held_input_bytes),
+            random: self.units.iter().map(|u| u.random).collect(),
+            rng_state: self.rng_state_bytes.unwrap_or(0),
+            packs: self.units.iter().map(|u| u.packs.unwrap_or(0) as f64).collect(),
+            act_storages: self
+                .units
+                .iter()
+                .map(|u| u.act_storages.map(f64::from).unwrap_or(if u.act_bytes > 0 { 1.0 } else { 0.0 }))
+                .collect(),
+            glue_ops: self.units.iter().map(|u| u.glue_ops.unwrap_or(0) as f64).collect(),
+            glue_scope: self
+                .units
+                .iter()
+                .map(|u| match u.glue_scope {
+                    None => None,
+                    Some([f, l]) if f >= 0 && l >= f => Some((f as usize, l as usize)),
+                    Some(_) => Some((usize::MAX, usize::MAX)),
+                })
+                .collect(),
+            fwd_host: if self.units.iter().all(|u| u.fwd_host_time.is_some()) {
+                Some(self.units.iter().map(|u| u.fwd_host_time.unwrap_or(0.0)).collect())
+            } else {
+                None
+            },
+            bwd_host: if self.units.iter().all(|u| u.bwd_host_time.is_some()) {
+                Some(self.units.iter().map(|u| u.bwd_host_time.unwrap_or(0.0)).collect())
+            } else {
+                None
+            },
+            costs: self.executor.unwrap_or_default(),
             held_from: self
                 .units
                 .iter()

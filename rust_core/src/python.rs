@@ -83,7 +83,7 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         .collect();
     json!({
         "step_time": o.step_time, "compute_time": o.compute_time, "swap_stall": o.swap_stall,
-        "recompute": o.recompute, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
+        "recompute": o.recompute, "host_time": o.host_time, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
         "cancelled_swaps": o.cancelled_swaps,
         "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "end_bytes": o.end_bytes,
         "feasible": o.feasible,
@@ -105,7 +105,7 @@ fn profile_graph(profile_json: &str) -> PyResult<String> {
     Ok(json!({
         "n": g.n, "constant": g.constant, "d2h": g.d2h, "h2d": g.h2d, "copy_engines": g.copy_engines,
         "fwd_time": g.fwd_time, "bwd_time": g.bwd_time, "act": g.act, "out": g.out, "out_saved": g.out_saved,
-        "held": g.held, "held_from": g.held_from, "saved_from": g.saved_from, "block_start": g.block_start,
+        "held": g.held, "random": g.random, "rng_state": g.rng_state, "held_from": g.held_from, "saved_from": g.saved_from, "block_start": g.block_start,
         "fwd_transient": g.fwd_transient, "bwd_transient": g.bwd_transient, "grad": g.grad,
         "inputs": g.inputs, "replay_inputs": g.replay_inputs, "replay_extra": g.replay_extra,
         "linger": g.linger, "linger_until": g.linger_until, "last_fwd": g.last_fwd,

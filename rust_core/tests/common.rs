@@ -28,6 +28,13 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         optimizer_state_bytes: None,
         optimizer_time: None,
         optimizer_transient_bytes: None,
+        random: false,
+        packs: None,
+        act_storages: None,
+        glue_ops: None,
+        glue_scope: None,
+        fwd_host_time: None,
+        bwd_host_time: None,
     }
 }
 
@@ -60,6 +67,8 @@ pub fn profile(units: Vec<Unit>, constant: u64, bw: f64) -> Profile {
         copy_engines: None,
         environment: None,
         optimizer: None,
+        rng_state_bytes: None,
+        executor: None,
         units,
     }
 }

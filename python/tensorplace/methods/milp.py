@@ -75,6 +75,8 @@ class _Graph:
     out: List[int]
     out_saved: List[bool]
     held: List[int]
+    random: List[bool]  # the unit's segment draws random numbers
+    rng_state: int  # bytes a segment with a random unit keeps from its start to its replay
     held_from: List[List[Tuple[int, int]]]  # (producer, bytes): unsaved values held for a replay
     saved_from: List[List[Tuple[int, int]]]  # (producer, bytes): saved values of inputs
     block_start: List[bool]  # default checkpoint segment starts
@@ -113,6 +115,8 @@ def _graph(profile_text: str) -> _Graph:
         out=[int(b) for b in d["out"]],
         out_saved=[bool(v) for v in d["out_saved"]],
         held=[int(b) for b in d["held"]],
+        random=[bool(v) for v in d.get("random", [False] * n)],
+        rng_state=int(d.get("rng_state", 0)),
         held_from=[[(int(p), int(b)) for p, b in hf] for hf in d["held_from"]],
         saved_from=[[(int(p), int(b)) for p, b in sf] for sf in d["saved_from"]],
         block_start=[bool(v) for v in d["block_start"]],
@@ -161,19 +165,19 @@ def _simulate_segment(g: _Graph, s: int, e: int, rec: Set[int]) -> _Segment:
     # Held bytes, once per segment and producer (a producer inside the segment is regenerated).
     held_b: Dict[int, int] = {}
     held_saved: Dict[int, int] = {}
-    feeds: Set[int] = set()
     charged: Set[int] = set()
+    if any(g.random[u] for u in range(s, e + 1)):
+        held_b[s] = g.rng_state  # the generators' state, kept by the segment's first unit
     for u in range(s, e + 1):
         h = g.held[u]
         for p, b in g.held_from[u]:
             if p >= s:
                 h -= b
-                feeds.add(p)
             elif p in charged:
                 h -= b
             else:
                 charged.add(p)
-        held_b[u] = h
+        held_b[u] = held_b.get(u, 0) + h
         hs = 0
         for p, b in g.saved_from[u]:
             if p < s and p in rec and p not in charged:
@@ -186,9 +190,10 @@ def _simulate_segment(g: _Graph, s: int, e: int, rec: Set[int]) -> _Segment:
     for u in range(s, e + 1):
         fwd_held[u] += held_b[u] + held_saved[u]
     steady[:n] = np.cumsum(fwd_held)
-    # Backward. A unit without activations that feeds no replay lets go of its held inputs when
-    # the forward ends.
-    held_now = {u: held_b[u] for u in range(s, e + 1) if act[u] > 0 or u in feeds}
+    # Backward. A segment none of whose units has activations is never replayed: its held inputs
+    # leave when the forward ends.
+    replays = any(act[u] > 0 for u in range(s, e + 1))
+    held_now = {u: held_b[u] for u in range(s, e + 1) if replays}
     saved_now = dict(held_saved)
     state = float(sum(held_now.values()) + sum(saved_now.values()))
     resident: Set[int] = set()
@@ -234,8 +239,11 @@ def _simulate_segment(g: _Graph, s: int, e: int, rec: Set[int]) -> _Segment:
         high = max(high, state)
 
     def ensure(u: int) -> None:
-        if u not in resident:
-            replay(u)
+        # the whole segment, in order, the first time one of its tensors is needed
+        if u not in resident and u not in replay_at:
+            for v in range(s, e + 1):
+                if v not in replay_at:
+                    replay(v)
 
     for k in range(n, S):
         i = S - 1 - k
@@ -246,7 +254,7 @@ def _simulate_segment(g: _Graph, s: int, e: int, rec: Set[int]) -> _Segment:
                 if u >= s and u <= e:
                     ensure(u)
                 elif u < s and u in rec and i not in replay_at:
-                    replay(i)  # B(i) reads a saved value of another segment's unit: its own replay hands it back
+                    ensure(i)  # B(i) reads a saved value of another segment's unit: its own replay hands it back
             elif s <= u <= e and (i < s or i not in rec):
                 ensure(u)
         steady[k] = high

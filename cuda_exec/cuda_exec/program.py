@@ -1,0 +1,439 @@
+"""What a steady step runs, made from the executor's learning step (see executor.py).
+
+The learning step records every module call of the forward (where it starts and ends among the
+glue calls, packs and unit starts; the values of its tensor arguments and outputs) besides the
+table of packs (learn._Table). :func:`build_program` turns that into a :class:`Program`:
+
+* **Checkpoint segments replayed from their module calls** (:class:`AlignedSegment`). A segment
+  (a run of consecutive recomputed units) is *aligned* when the module calls that lie wholly in
+  it (its *top calls*: the outermost calls whose units are all in the segment and that run no
+  glue before their first unit) hold everything its replay must regenerate: no glue outside
+  them makes a value the replay needs (a tensor saved by a dropped pack, or an argument of a
+  later top call), and every tensor their units read from outside comes in through the top
+  calls' arguments. Its replay calls those modules again on the arguments the forward passed,
+  as ``torch.utils.checkpoint`` calls its function again: no Python per torch op in any step
+  after the learning step. Each argument is regenerated (an output of an earlier top call),
+  held (by reference, or as a private copy when the forward writes into it later), or brought
+  back from the host (the swap of its owner).
+* **Other segments are tracked**: a steady step runs the unit tracker over them (a
+  TorchFunctionMode on their glue) and replays what it recorded (recorded_replay.py).
+* **Events**: the calls of the modules a steady step hooks (unit starts where the saved-tensor
+  hooks go on or off, where the plan has stage-boundary work, where tracked segments start and
+  end; top calls), in forward order, each with what to do; a steady step checks every hooked
+  call against them.
+* **Per pack** (in the learning step's numbering): the action of the steady step (``A_*``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from .learn import REPLAY_SLOT, REPLAY_VALUE, RETAIN, SWAP, _Table
+from .units import UnitTracker, ValueRec
+
+if TYPE_CHECKING:
+    from .recorded_replay import _InputSlot
+
+__all__ = ["A_RETAIN", "A_SWAP", "A_HOLD", "A_HOLD_VALUE", "A_TRACKED", "A_TRACKED_VALUE", "ArgKind",
+           "TopCall", "AlignedSegment", "Event", "Program", "build_program"]
+
+#: what a steady step does with a pack (in an armed span)
+A_RETAIN, A_SWAP, A_HOLD, A_HOLD_VALUE, A_TRACKED, A_TRACKED_VALUE = range(6)
+
+#: how a top call's tensor argument is obtained for its replay
+ARG_HOLD, ARG_COPY, ARG_ENTRY, ARG_REGEN = range(4)
+
+
+@dataclass
+class ArgKind:
+    """A tensor argument of a top call: ``ARG_HOLD`` (kept by reference), ``ARG_COPY`` (a private
+    copy, the forward writes into it later), ``ARG_ENTRY`` (its owner swaps it: the swap entry of
+    pack ``pack``), ``ARG_REGEN`` (output ``pos`` of top call ``call`` of the same segment)."""
+
+    kind: int
+    pack: int = -1
+    call: int = -1
+    pos: int = -1
+    #: the call writes into it in place: the replay attaches it to the graph as a non-leaf
+    #: (a leaf that requires grad cannot be written in place)
+    written: bool = False
+
+
+@dataclass
+class TopCall:
+    """One module call an aligned segment's replay makes again."""
+
+    module: nn.Module
+    #: per leaf of the call's flattened (args, kwargs): None for a non-tensor leaf (taken from the
+    #: step as it is), else how the tensor is obtained for the replay
+    args: List[Optional[ArgKind]]
+    #: positions of the flattened output the replay keeps after the call (later top calls'
+    #: arguments, values handed to packs outside the top calls)
+    keep: List[int]
+    packs: int  #: packs its forward makes
+    #: it was called with positional tensors only (its arguments need no flattening)
+    simple: bool = False
+
+
+@dataclass
+class AlignedSegment:
+    """A checkpoint segment replayed from its module calls (module docstring)."""
+
+    index: int  #: its position in Program.segments
+    first: int  #: its first unit
+    last: int  #: its last unit
+    calls: List[TopCall]
+    random: bool  #: its forward draws random numbers (the replay restores the generators)
+    #: buffers (BatchNorm running statistics) and parameters its forward writes into: put back
+    #: after the replay
+    restore: List[torch.Tensor]
+    holds: int  #: packs of its top calls (the replay's captures)
+
+
+@dataclass
+class Event:
+    """One call of a hooked module in the forward (a steady step's forward pre-hook)."""
+
+    module: nn.Module
+    unit: int = -1  #: the unit that starts here, or -1
+    pack: int = 0  #: packs of the learning step before this call
+    disarm: bool = False  #: the saved-tensor hooks go off here (after checking the pack count)
+    arm: bool = False  #: the saved-tensor hooks go on here
+    check: bool = False  #: the hooks stay on: check the pack count
+    boundary: bool = False  #: forward stage-boundary work of ``unit``
+    track_open: bool = False  #: ``unit`` is tracked (its segment recorded for its replay)
+    track_close: bool = False  #: a tracked stretch ends here
+    top: Optional[Tuple[int, int]] = None  #: (aligned segment, top call) starting here
+
+
+@dataclass
+class Program:
+    """What a steady step runs (module docstring)."""
+
+    table: _Table
+    events: List[Event]
+    #: modules with a forward pre-hook (the modules of ``events``) and with a forward hook (units
+    #: of prefetch stages and tracked units)
+    pre_modules: List[nn.Module]
+    post_modules: List[nn.Module]
+    acts: List[int]  #: per pack of the learning step (meaningful in armed spans)
+    #: per pack: A_HOLD (segment, capture index) or A_HOLD_VALUE (segment, top call, output position)
+    hold: List[Optional[Tuple[int, ...]]]
+    segments: List[AlignedSegment]
+    tracked: List[bool]  #: per unit: its segment is tracked
+    armed: List[bool]  #: per unit: the saved-tensor hooks are on in its segment
+    #: per pack: the pending top-call arguments a swap entry made at this pack binds
+    entry_args: Dict[int, List[Tuple[int, int, int]]] = field(default_factory=dict)
+
+    @property
+    def swaps(self) -> int:
+        return self.acts.count(A_SWAP)
+
+    @property
+    def any_tracked(self) -> bool:
+        return any(self.tracked)
+
+
+def _runs(actions: Sequence[str], run_start: Sequence[int]) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for u, a in enumerate(actions):
+        if a != "recompute":
+            continue
+        if out and run_start[u] == out[-1][0] and out[-1][1] == u - 1:
+            out[-1] = (out[-1][0], u)
+        else:
+            out.append((u, u))
+    return out
+
+
+class _Aligner:
+    """Decides, for each checkpoint segment, whether its replay can call its modules again."""
+
+    def __init__(self, table: _Table, tracker: UnitTracker, actions: Sequence[str], run_start: Sequence[int]) -> None:
+        self.t = table
+        self.tr = tracker
+        self.segs = tracker.segments
+        self.n = len(tracker.segments)
+        self.end_event = tracker.events
+        self.random = [bool(r.random) for r in tracker.records]
+        self.scopes = tracker.glue_scopes()
+        self.actions = actions
+        self.run_start = run_start
+        glue = sorted((call.event, call.produced) for seg in self.segs for call in seg.calls if call.event >= 0)
+        self.glue_events = [e for e, _ in glue]
+        self.glue_produced = [p for _, p in glue]
+        # the unit of each pack
+        self.pack_unit: List[int] = []
+        u = -1
+        for k in range(len(table.acts)):
+            while u + 1 < len(table.pack_start) and table.pack_start[u + 1] <= k:
+                u += 1
+            self.pack_unit.append(u)
+
+    def _unit_event(self, u: int) -> int:
+        return self.t.calls[self.t.unit_call[u]].enter if u < self.n else self.end_event
+
+    def _glue_between(self, a: int, b: int) -> range:
+        """Indexes (into glue_events) of the glue calls with event in [a, b)."""
+        return range(bisect.bisect_left(self.glue_events, a), bisect.bisect_left(self.glue_events, b))
+
+    def top_calls(self, first: int, last: int) -> List[int]:
+        """The outermost module calls whose units are all in first..last and that run no glue
+        before their first unit, in order (indexes into table.calls)."""
+        out: List[int] = []
+        for c, rec in enumerate(self.t.calls):
+            if rec.units_exit <= rec.units_enter or rec.units_enter < first or rec.units_exit - 1 > last:
+                continue
+            if out and rec.enter < self.t.calls[out[-1]].exit:
+                continue  # inside an earlier one
+            if not self.tr.replayable_call(c):
+                continue  # it runs glue before its first unit: that glue belongs to the unit before
+            out.append(c)
+        return out
+
+    def align(self, index: int, first: int, last: int,
+              slots: Dict[Tuple[int, int], "_InputSlot"]) -> Optional[AlignedSegment]:
+        t = self.t
+        # every unit's glue lies in a module call whose units are all in the segment (the cost
+        # model's rule too: docs/cost-model.md, "Host time")
+        for u in range(first, last + 1):
+            scope = self.scopes[u]
+            if scope is not None and not (first <= scope[0] and scope[1] <= last):
+                return None
+        tops = self.top_calls(first, last)
+        if not tops or sum(t.calls[c].units_exit - t.calls[c].units_enter for c in tops) != last - first + 1:
+            return None
+        recs = [t.calls[c] for c in tops]
+        in_run = range(first, last + 1)
+        top_of_unit: Dict[int, int] = {}
+        for i, rec in enumerate(recs):
+            for u in range(rec.units_enter, rec.units_exit):
+                top_of_unit[u] = i
+        # where each output value of a top call is: (top call, position)
+        out_pos: Dict[ValueRec, Tuple[int, int]] = {}
+        for i, rec in enumerate(recs):
+            for p, v in enumerate(rec.out_values):
+                if v is not None and v.owner in in_run:
+                    out_pos.setdefault(v, (i, p))
+        keep: List[Set[int]] = [set() for _ in recs]
+        # the values its replay must regenerate outside the top calls' own packs: values of its
+        # units dropped by packs anywhere, and packs in its span outside the top calls
+        needed: Set[ValueRec] = set()
+        for k, a in enumerate(t.acts):
+            if a not in (REPLAY_VALUE, REPLAY_SLOT):
+                continue
+            v = t.values[k]
+            u = self.pack_unit[k]
+            inside_span = first <= u <= last
+            in_top = inside_span and any(r.pack_enter <= k < r.pack_exit for r in recs)
+            if in_top:
+                continue
+            if v is None:
+                return None
+            if inside_span or (a == REPLAY_VALUE and v.owner in in_run):
+                if v not in out_pos:
+                    return None  # a value no top call returns: only the glue that made it has it
+                needed.add(v)
+                i, p = out_pos[v]
+                keep[i].add(p)
+        # the top calls' arguments
+        calls: List[TopCall] = []
+        entry_args: List[Tuple[int, int, int]] = []  # (pack, top call, leaf)
+        for i, rec in enumerate(recs):
+            args: List[Optional[ArgKind]] = []
+            for leaf, v in enumerate(rec.arg_values):
+                if v is None:
+                    args.append(ArgKind(ARG_HOLD) if rec.arg_tensor[leaf] else None)
+                    continue
+                if v.owner in in_run:
+                    pos = out_pos.get(v)
+                    if pos is None or pos[0] >= i:
+                        return None
+                    needed.add(v)
+                    keep[pos[0]].add(pos[1])
+                    args.append(ArgKind(ARG_REGEN, call=pos[0], pos=pos[1]))
+                    continue
+                slot = slots.get((first, id(v)))
+                kind = getattr(slot, "kind", "tensor")
+                if kind == "entry" and slot is not None and slot.entry is not None:
+                    k = t.entry_first.get(id(slot.entry))
+                    if k is None:
+                        return None
+                    args.append(ArgKind(ARG_ENTRY, pack=k))
+                    entry_args.append((k, i, leaf))
+                elif kind == "tensor" and slot is not None and slot.protected:
+                    args.append(ArgKind(ARG_COPY))
+                else:
+                    args.append(ArgKind(ARG_HOLD))
+            for leaf, kind in enumerate(args):
+                if kind is not None:
+                    kind.written = rec.arg_written[leaf]
+            calls.append(TopCall(rec.module, args, [], rec.pack_exit - rec.pack_enter, rec.simple))
+        # no glue outside the top calls makes a value the replay needs
+        lo, hi = self._unit_event(first), self._unit_event(last + 1)
+        for j in self._glue_between(lo, hi):
+            e = self.glue_events[j]
+            if any(r.enter < e < r.exit for r in recs):
+                continue
+            if any(v in needed for v in self.glue_produced[j]):
+                return None
+        # every tensor its units read from outside their top call comes in as an argument of it
+        for u in in_run:
+            seg = self.segs[u]
+            if seg is None:
+                return None
+            rec = recs[top_of_unit[u]]
+            args_of = {id(v) for v in rec.arg_values if v is not None}
+            for ref in seg.inputs:
+                v = ref.value
+                if v.owner in in_run and top_of_unit.get(v.owner) == top_of_unit[u]:
+                    continue  # made inside the same top call
+                if id(v) not in args_of:
+                    return None
+        for i, call in enumerate(calls):
+            call.keep = sorted(keep[i])
+        restore: List[torch.Tensor] = []
+        seen: Set[int] = set()
+        for u in in_run:
+            for b in t.calls[t.unit_call[u]].mutated_buffers + self.segs[u].mutated_params:
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    restore.append(b)
+        seg = AlignedSegment(index, first, last, calls, any(self.random[u] for u in in_run), restore,
+                             sum(c.packs for c in calls))
+        self.entry_args = entry_args
+        return seg
+
+
+
+def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], run_start: Sequence[int],
+                  slots: Dict[Tuple[int, int], "_InputSlot"], work: Sequence[bool], post_units: Set[int],
+                  aligned: bool = True) -> Program:
+    """The steady program of a learning step (module docstring). ``slots``: the learning step's
+    input slots of recomputed units, by (first unit of their segment, id(value)); ``work``: per unit, forward
+    stage-boundary work; ``post_units``: units whose module needs a forward hook (prefetch
+    stages); ``aligned``: replay aligned segments from their module calls (False: track every
+    recomputed unit, the recorded path)."""
+    n = len(table.pack_start)
+    runs = _runs(actions[:n], run_start)
+    table.calls, table.unit_call = tracker.calls, tracker.unit_call
+    aligner = _Aligner(table, tracker, actions, run_start)
+    seg_list: List[AlignedSegment] = []
+    seg_of_unit = [-1] * n
+    tracked = [False] * n
+    entry_args: Dict[int, List[Tuple[int, int, int]]] = {}
+    for first, last in runs:
+        seg = aligner.align(len(seg_list), first, last, slots) if aligned else None
+        if seg is None:
+            for u in range(first, last + 1):
+                tracked[u] = True
+            continue
+        seg_list.append(seg)
+        for u in range(first, last + 1):
+            seg_of_unit[u] = seg.index
+        for k, i, leaf in aligner.entry_args:
+            entry_args.setdefault(k, []).append((seg.index, i, leaf))
+    table.finish(table.names, tracked)
+    # per pack: the steady action
+    acts: List[int] = []
+    hold: List[Optional[Tuple[int, ...]]] = []
+    top_ranges: List[List[Tuple[int, int, int]]] = []  # per aligned segment: (pack_enter, pack_exit, top call)
+    for seg in seg_list:
+        ranges = []
+        tops = aligner.top_calls(seg.first, seg.last)
+        for i, c in enumerate(tops):
+            rec = table.calls[c]
+            ranges.append((rec.pack_enter, rec.pack_exit, i))
+        top_ranges.append(ranges)
+    out_pos: List[Dict[ValueRec, Tuple[int, int]]] = []
+    for seg in seg_list:
+        d: Dict[ValueRec, Tuple[int, int]] = {}
+        for i, c in enumerate(aligner.top_calls(seg.first, seg.last)):
+            for p, v in enumerate(table.calls[c].out_values):
+                if v is not None:
+                    d.setdefault(v, (i, p))
+        out_pos.append(d)
+    for k, a in enumerate(table.acts):
+        u = aligner.pack_unit[k]
+        s = seg_of_unit[u] if u >= 0 else -1
+        if u >= 0 and tracked[u]:
+            acts.append(A_TRACKED)
+            hold.append(None)
+            continue
+        if a == RETAIN:
+            acts.append(A_RETAIN)
+            hold.append(None)
+        elif a == SWAP:
+            acts.append(A_SWAP)
+            hold.append(None)
+        elif s >= 0:
+            captured = 0
+            found = None
+            for lo, hi, _i in top_ranges[s]:
+                if lo <= k < hi:
+                    found = captured + (k - lo)
+                    break
+                captured += hi - lo
+            if found is not None:
+                acts.append(A_HOLD)
+                hold.append((s, found))
+            else:
+                v = table.values[k]
+                i, p = out_pos[s][v]  # present: align() checked it
+                acts.append(A_HOLD_VALUE)
+                hold.append((s, i, p))
+        else:
+            owner = table.owner[k]
+            so = seg_of_unit[owner] if 0 <= owner < n else -1
+            if so >= 0:
+                i, p = out_pos[so][table.values[k]]
+                acts.append(A_HOLD_VALUE)
+                hold.append((so, i, p))
+            else:
+                acts.append(A_TRACKED_VALUE)
+                hold.append(None)
+    # armed units: their segment makes a pack that is not retained, or is recomputed
+    armed = [tracked[u] or seg_of_unit[u] >= 0 for u in range(n)]
+    for k, a in enumerate(acts):
+        if a != A_RETAIN:
+            armed[aligner.pack_unit[k]] = True
+    # events: unit starts where something happens, and top calls
+    starts: Dict[int, Event] = {}
+    for u in range(n):
+        prev_armed = armed[u - 1] if u > 0 else False
+        prev_tracked = tracked[u - 1] if u > 0 else False
+        ev = Event(table.calls[table.unit_call[u]].module, unit=u, pack=table.pack_start[u])
+        ev.disarm = prev_armed and not armed[u]
+        ev.arm = armed[u] and not prev_armed
+        ev.check = prev_armed and armed[u]
+        ev.boundary = bool(work[u])
+        ev.track_open = tracked[u]
+        ev.track_close = prev_tracked and not tracked[u]
+        if ev.disarm or ev.arm or ev.boundary or ev.track_open or ev.track_close or (
+                ev.check and seg_of_unit[u] != seg_of_unit[u - 1]):
+            starts[table.unit_call[u]] = ev
+    tops: Dict[int, Tuple[int, int]] = {}
+    for seg in seg_list:
+        for i, c in enumerate(aligner.top_calls(seg.first, seg.last)):
+            tops[c] = (seg.index, i)
+    hooked = {id(table.calls[c].module) for c in list(starts) + list(tops)}
+    events: List[Event] = []
+    for c, rec in enumerate(table.calls):
+        if id(rec.module) not in hooked:
+            continue
+        ev = starts.get(c) or Event(rec.module, pack=rec.pack_enter)
+        ev.top = tops.get(c)
+        events.append(ev)
+    pre: Dict[int, nn.Module] = {id(e.module): e.module for e in events}
+    post: Dict[int, nn.Module] = {}
+    for u in range(n):
+        if u in post_units or tracked[u]:
+            m = table.calls[table.unit_call[u]].module
+            post[id(m)] = m
+    return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
+                   entry_args)
