@@ -70,6 +70,9 @@ def mixed_plan(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+# Adam is not given to plan(): its state is memory the plan does not know of, reported at the first
+# planned step (tests/test_unplanned_memory.py); here only the training is compared
+@pytest.mark.filterwarnings("ignore::tensorplace.UnplannedMemoryWarning")
 def test_training_under_a_searched_plan_is_bitwise_equal(name: str) -> None:
     model, x, loss_fn = MODELS[name]()
     plan = mixed_plan(model, x, loss_fn)

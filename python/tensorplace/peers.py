@@ -306,9 +306,7 @@ def compare_peers(
         t0 = time.perf_counter()
         if profile is not None:
             say("peers: planning on the given profile")
-            from .bench.plan import plan_from_profile
-
-            probe = plan_from_profile(profile, 2**50, "retain")
+            probe = _probe_of(profile, model, x)
         else:
             say("peers: profiling the model")
             probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=repeats)
@@ -349,6 +347,8 @@ def compare_peers(
                         _measure_row(row, model, x, loss_fn, reference, probe, backend, search, undo)
                 except tp.BudgetError as exc:
                     row.record["error"] = str(exc.args[0]).splitlines()[0]
+                except torch.cuda.OutOfMemoryError as exc:  # this row does not fit the device: the others may
+                    row.record["error"] = "out of memory: " + str(exc).splitlines()[0]
                 except Exception as exc:  # noqa: BLE001 - a timeout may reach us wrapped (raised in a hook)
                     if not _timed_out(exc, t0, left):
                         raise
@@ -380,6 +380,30 @@ def compare_peers(
         if "step_time" in r and "step_time" in base:
             r["time_ratio"] = r["step_time"] / base["step_time"]
     return out
+
+
+def _probe_of(profile: Dict[str, Any], model: nn.Module, x: Any) -> Any:
+    """A retain plan carrying ``profile`` (to replan from), once the profile is checked to be of
+    this model and input (its fingerprints, when it has them: `tensorplace-bench profile` writes them)."""
+    import tensorplace as tp
+
+    from .api import _inputs_tuple, inputs_fingerprint, parameters_fingerprint
+
+    fp = dict(p.split(":", 1) for p in str(profile.get("model_fingerprint") or "").split(";") if ":" in p)
+    modules = {name or "(root)" for name, _ in model.named_modules()}
+    missing = sorted({str(u["name"]).split("#")[0] for u in profile.get("units", [])} - modules)
+    if missing or fp.get("params") not in (None, parameters_fingerprint(model)) or \
+            fp.get("inputs") not in (None, inputs_fingerprint(_inputs_tuple(x))):
+        raise tp.PlannerError(
+            f"the profile given is of another model or input ({profile.get('model')}, inputs "
+            f"{profile.get('input_shapes', '?')}); profile this one with `tensorplace-bench profile` and the same "
+            "model options, or leave the profile out")
+    data = tp.plan_profile(profile, 2**50, "retain").to_dict()
+    data["profile"] = profile
+    for key in ("model_fingerprint", "input_shapes", "input_specs"):
+        if profile.get(key) is not None:
+            data[key] = profile[key]
+    return tp.Plan(data)
 
 
 def _timed_out(exc: BaseException, t0: float, left: Optional[float]) -> bool:
@@ -438,6 +462,7 @@ def _measure_row(row: _Row, model: nn.Module, x: Any, loss_fn: Callable[[Any], t
 
     def on_copy() -> Tuple[nn.Module, Any, Callable[[], None]]:
         own = tp.run(copy.deepcopy(model), plan, backend=backend)
+        own.memory_check.left = 0  # the other rows' copies are on the device by design: nothing to report
         return own, None, own.close
 
     row.copy = on_copy
@@ -569,12 +594,18 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
             from cuda_exec.cpu_backend import CpuBackend
 
             backend = CpuBackend(bandwidth_cap=a.link * 1e9)
+        from ._core import PlannerError
+
         try:
             with progress("peers") as bar:  # on stderr
                 rows = compare_peers(model, x, loss_fn, budgets=budgets, backend=backend, repeats=a.repeats,
                                      search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed},
                                      progress=bar.describe, log=_stderr_line, time_limit=a.time_limit,
                                      order=a.order, profile=prof)
+        except PlannerError as exc:
+            if prof is None:
+                raise
+            raise SystemExit(f"--profile {a.profile!r}: {exc}") from None
         finally:
             if backend is not None:
                 backend.close()

@@ -24,7 +24,8 @@ Shape buckets (``run(model, plan, shapes=[...])``): each bucket is a shape no la
 planned one; a batch trains under the plan of the smallest bucket that holds it, searched on
 first use from the plan's profile scaled to the bucket's shape (:func:`scaled_profile`) with
 the plan's budget, method and search settings, and kept. A bucket's plan may retain more than
-the plan for the largest shape, so its steps are faster.
+the plan for the largest shape, so its steps are faster; its memory is a prediction on the
+scaled profile (an estimate, like any plan's), not the bound above.
 """
 
 from __future__ import annotations
@@ -199,10 +200,13 @@ def scaled_profile(profile: Dict[str, Any], model: nn.Module, planned: Sequence[
                    new: Sequence[Spec]) -> Dict[str, Any]:
     """``profile`` (made at ``planned``) scaled to the smaller inputs ``new``: each unit's bytes
     (activations, output, transients, the inputs it holds for a replay, per producer) and times
-    multiplied by that unit's factor (:func:`_unit_factors`: exact for saved activations where the
-    model runs on the meta device; the unit's transients and times follow its activations, an
-    estimate), the inputs' bytes those of ``new``; parameters, gradients, optimizer state and
-    workspace as they were. ``scaled_from`` records the planned shapes and how it was scaled."""
+    multiplied by that unit's factor (:func:`_unit_factors`: how much less autograd saves in the
+    unit at ``new``, traced on the meta device; its transients and times are taken to shrink
+    alike, an estimate), the inputs' bytes those of ``new``; parameters, gradients, optimizer
+    state and workspace as they were. ``scaled_from`` records the planned shapes and how it was
+    scaled. On the 3-layer GPT of tests/test_input_shapes.py, scaled from 64 to 32 tokens, the
+    unplanned peak and the lower bound are within 15% of a profile measured at 32 tokens (above
+    it: 10% and 7% when written)."""
     out = copy.deepcopy(profile)
     factors, how = _unit_factors(model, profile, planned, new)
     n = len(out["units"])
