@@ -267,8 +267,12 @@ class PlannedTraining(PlannedModule):
         if k not in self.bucket_plans:
             data = self._plan.to_dict()
             prof = scaled_profile(data["profile"], self.model, self._planned_specs or [], self.buckets[k])
-            settings = {key: v for key, v in (data.get("settings") or {}).items()
-                        if key in ("particles", "iterations", "seed", "prefetch_lookahead")}
+            given = data.get("settings") or {}
+            settings = {key: v for key, v in given.items() if key in (
+                "particles", "iterations", "seed", "restarts", "relinks", "mutation", "patience", "seed_extremes",
+                "time_limit", "mip_gap")}
+            if "prefetch_lookahead" in (given.get("eval") or {}):
+                settings["prefetch_lookahead"] = int(given["eval"]["prefetch_lookahead"])
             found = plan_profile(prof, int(data["budget_bytes"]), str(data["method"]),
                                  budget_kind=str(data.get("budget_kind") or "allocated"), **settings).to_dict()
             found["profile"] = prof
