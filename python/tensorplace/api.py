@@ -250,7 +250,10 @@ class PlannedTraining(PlannedModule):
             return "same"
         why = "the plan records no input shapes to compare with"
         if self._planned_specs is not None:
-            rel, why = compare(input_specs(args), self._planned_specs)
+            planned = self._planned_specs
+            if self.sub_batch is not None:  # a moDNN plan's steps are of its sub-batch (tensorplace.accumulate)
+                planned = [None if s is None else ((self.sub_batch,) + s[0][1:] if s[0] else s[0], s[1]) for s in planned]
+            rel, why = compare(input_specs(args), planned)
             if rel != "other":
                 return rel
         raise PlannerError(

@@ -204,36 +204,49 @@ def _measure(module: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor], 
             "step_time": stats["step_time"]}
 
 
-class RowTimeout(Exception):
-    """A row of the peers table ran past its time limit."""
+class RowTimeout(BaseException):
+    """A row of the peers table ran past its time limit (a BaseException, as KeyboardInterrupt:
+    no ``except Exception`` on the way swallows it)."""
+
+
+_DEADLINE: List[Tuple[float, str]] = []  # (perf_counter deadline, what) of the running time limits
+
+
+def _check_deadline() -> None:
+    """Raise :class:`RowTimeout` if the innermost time limit has passed: called between the
+    steps of a row, in case the alarm's exception was lost on its way (raised where something
+    caught and dropped it)."""
+    if _DEADLINE and time.perf_counter() > _DEADLINE[-1][0]:
+        raise RowTimeout(f"time limit reached during {_DEADLINE[-1][1]}")
 
 
 @contextlib.contextmanager
 def _time_limit(seconds: Optional[float], what: str) -> Iterator[None]:
     """Raise :class:`RowTimeout` once ``seconds`` have passed (SIGALRM in the main thread: at the
-    next Python-level operation; elsewhere after the block). None: no limit."""
+    next Python-level operation; elsewhere, and as a backstop, at :func:`_check_deadline` and
+    after the block). None: no limit."""
     if seconds is None:
         yield
         return
     if seconds <= 0:
         raise RowTimeout(f"no time left for {what}")
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        t0 = time.perf_counter()
-        yield
-        if time.perf_counter() - t0 > seconds:
-            raise RowTimeout(f"{what} took more than {seconds:.0f} s")
-        return
+    _DEADLINE.append((time.perf_counter() + seconds, what))
+    alarmed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    previous: Any = None
+    if alarmed:
+        def alarm(signum: int, frame: Any) -> None:
+            raise RowTimeout(f"time limit reached during {what}")
 
-    def alarm(signum: int, frame: Any) -> None:
-        raise RowTimeout(f"time limit reached during {what}")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+        _check_deadline()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        if alarmed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        _DEADLINE.pop()
 
 
 def _equal(a: Tuple[torch.Tensor, List[Optional[torch.Tensor]]], b: Tuple[torch.Tensor, List[Optional[torch.Tensor]]]) -> bool:
@@ -349,10 +362,12 @@ def compare_peers(
                     row.record["error"] = str(exc.args[0]).splitlines()[0]
                 except torch.cuda.OutOfMemoryError as exc:  # this row does not fit the device: the others may
                     row.record["error"] = "out of memory: " + str(exc).splitlines()[0]
-                except Exception as exc:  # noqa: BLE001 - a timeout may reach us wrapped (raised in a hook)
+                except BaseException as exc:  # noqa: BLE001 - a timeout, maybe wrapped (raised in a hook)
                     if not _timed_out(exc, t0, left):
                         raise
-                    row.record["error"] = f"time limit ({time_limit:g} s) reached: {exc}"
+                    # what the row measured before it ran out is not reported: the row is not measured
+                    row.record = {"name": row.name, **{k: v for k, v in row.record.items() if k == "budget"},
+                                  "error": f"time limit ({time_limit:g} s) reached: {exc}"}
                 finally:
                     for p in model.parameters():
                         p.grad = None
@@ -411,7 +426,8 @@ def _timed_out(exc: BaseException, t0: float, left: Optional[float]) -> bool:
     alarm went off inside a backward hook)."""
     if isinstance(exc, RowTimeout):
         return True
-    return left is not None and time.perf_counter() - t0 >= left and "time limit" in str(exc)
+    return (isinstance(exc, Exception) and left is not None and time.perf_counter() - t0 >= left
+            and "time limit" in str(exc))
 
 
 def _measure_row(row: _Row, model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor],
@@ -423,15 +439,18 @@ def _measure_row(row: _Row, model: nn.Module, x: Any, loss_fn: Callable[[Any], t
 
     r = row.record
     if row.kind == "plain":
-        r.update(_measure(model, x, loss_fn, 1), bitwise=_equal(_step(model, x, loss_fn), reference))
+        r.update(_measure(model, x, loss_fn, 1))
+        _check_deadline()
+        r.update(bitwise=_equal(_step(model, x, loss_fn), reference))
         row.copy = lambda: (model, None, lambda: None)
         return
     if row.kind == "recipe":
         context = row.info.get("context")
         make = row.info.get("replacements")  # model -> {submodule name: its checkpointed replacement}
         module = undo.enter_context(_swapped(model, make(model) if make is not None else {}))
-        r.update(_measure(module, x, loss_fn, 1, context),
-                 bitwise=_equal(_step(module, x, loss_fn, context=context), reference))
+        r.update(_measure(module, x, loss_fn, 1, context))
+        _check_deadline()
+        r.update(bitwise=_equal(_step(module, x, loss_fn, context=context), reference))
 
         def on_copy() -> Tuple[nn.Module, Any, Callable[[], None]]:
             if make is None:  # save_on_cpu: the model itself, in its context
@@ -453,9 +472,11 @@ def _measure_row(row: _Row, model: nn.Module, x: Any, loss_fn: Callable[[Any], t
     method = row.info["method"]
     r["budget"] = budget
     plan = probe.replan(2**50 if budget is None else budget, method=method, **(search if method == "pso" else {}))
+    _check_deadline()
     fast = tp.run(model, plan, backend=backend)
     undo.callback(fast.close)  # its hooks leave the model before the next row
     stats = _measure(fast, x, loss_fn, 1)
+    _check_deadline()
     same = _equal(_step(fast, x, loss_fn), reference)
     r.update(method=method, **stats, bitwise=same, predicted_peak_bytes=plan.predicted["peak_bytes"],
              predicted_step_time=plan.predicted["step_time"], counts=plan.counts(), actions=plan.actions)
@@ -495,7 +516,7 @@ def _time_in_rounds(rows: Sequence[_Row], model: nn.Module, x: Any, loss_fn: Cal
                             seconds = _timed_plain_step(module, (x,), loss_fn, clock)
                     if r >= 0:
                         times[i].append(seconds)
-                except Exception as exc:  # noqa: BLE001 - see _timed_out
+                except BaseException as exc:  # noqa: BLE001 - see _timed_out
                     if not _timed_out(exc, t0, left):
                         raise
                     live[i] = False
