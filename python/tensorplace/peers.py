@@ -506,7 +506,7 @@ def _time_in_rounds(rows: Sequence[_Row], model: nn.Module, x: Any, loss_fn: Cal
             for i in order:
                 if not live[i]:
                     continue
-                row, (module, context, _close) = rows[i], made[i]
+                row, (module, context, _) = rows[i], made[i]
                 module.train()
                 t0 = time.perf_counter()
                 left = row.left(time_limit)
