@@ -444,6 +444,8 @@ def test_argument_errors_say_what_is_wrong(args, message, capsys):
     (["allocator", "profile.json"], "cuda-caching-allocator-trace"),
     (["compare", "--model", "plain20"], "'plain20' is a builtin modelled profile: pass --builtin plain20"),
     (["timeline", "--plan", "plan.json", "--model", "tinygpt"], "not on --model, whose new profile"),
+    (["peers", *TINY, "--profile", "profile.json"], "--profile 'profile.json': the profile given is of another model"),
+    (["peers", *TINY, "--profile", "missing.json"], "--profile 'missing.json': no such file"),
     (["maxbatch", "--profile", "profile.json", "profile.json", "--memory", "1GiB"],
      "give two profiles of one model at different batch sizes (these have 1 and 1)"),
     (["maxbatch", "--profile", "profile.json", "squeezenet.json", "--memory", "1GiB"], "have different units"),
@@ -621,3 +623,100 @@ def test_methods_marks_a_method_that_does_not_apply_and_goes_on(tmp_path):
     assert "step_time" in by["vgg16", "sqrt"] and "step_time" in by["plain20", "checkpoint-blocks"]
     vgg_row = next(line for line in markdown(recs).splitlines() if line.startswith("| vgg16"))
     assert "| n/a |" in vgg_row
+
+
+# --- --device: where the model, inputs and labels live, and where the JSON says they were --------
+
+
+EXPLICIT = textwrap.dedent("""
+    import torch
+    def on_the_cpu(batch, classes):  # tensors made on the CPU whatever the default device
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, classes, device="cpu"))
+        return model, torch.randn(batch, 3, 2, 2, device="cpu")
+""")
+
+
+def test_build_model_makes_model_inputs_and_labels_on_the_device(tmp_path, monkeypatch):
+    """No GPU here: the meta device stands in for one (shapes only)."""
+    for spec, kw in (("resnet18", {"image": 32, "classes": 10}), ("tinygpt", {"seq": 8}), ("unet", {})):
+        rm = common.build_model(spec, 2, device="meta", **kw)
+        assert rm.device == torch.device("meta") and common.placement(rm.model, rm.inputs) == {
+            "parameters": ["meta"], "inputs": ["meta"]}, spec
+        loss = rm.loss_fn(rm.model(*rm.inputs))  # the labels the loss holds are on the device too
+        assert loss.device.type == "meta" and loss.dim() == 0, spec
+        assert rm.at_batch(3).inputs[0].device.type == "meta"
+    # a factory that puts its tensors on the CPU explicitly: moved to the device
+    (tmp_path / "explicit.py").write_text(EXPLICIT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rm = common.build_model("explicit:on_the_cpu", 2, classes=3, device="meta")
+    assert common.placement(rm.model, rm.inputs) == {"parameters": ["meta"], "inputs": ["meta"]}
+    # and on the CPU, the same numbers as before --device existed (seed 0, made on the CPU)
+    torch.manual_seed(0)
+    import torchvision
+
+    ref = torchvision.models.resnet18(weights=None, num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    rm = common.build_model("resnet18", 2, image=32, classes=10, device="cpu")
+    assert torch.equal(rm.inputs[0], x) and all(torch.equal(a, b) for a, b in zip(rm.model.parameters(), ref.parameters()))
+
+
+def test_device_cpu_is_recorded_with_where_the_tensors_were(tmp_path):
+    data = run_json(tmp_path, ["profile", *TINY, "--batch", "2", "--device", "cpu", "-o", str(tmp_path / "p.json")])
+    assert data["torch_device"] == "cpu" and data["device"].startswith("CPU (")
+    assert data["tensors_on"] == {"parameters": ["cpu"], "inputs": ["cpu"]}
+    assert tp.load_profile(tmp_path / "p.json")["device"] == "cpu"
+    # every subcommand that builds a model takes --device
+    sub = next(a for a in parser()._actions if a.dest == "cmd")
+    for name in ("demo", "accuracy", "profile", "maxbatch", "peers", "budgets", "compare", "convergence", "timeline"):
+        assert any("--device" in act.option_strings for act in sub.choices[name]._actions), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
+@pytest.mark.parametrize("cmd", [["profile", *TINY, "-o", "x.json"], ["peers", *TINY], ["budgets", "--model", "unet"],
+                                 ["demo", *TINY]])
+def test_device_cuda_without_a_gpu_says_so(cmd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["--device", "cuda"])
+    assert "--device cuda: torch sees no CUDA device here" in str(e.value.code) and "--device cpu" in str(e.value.code)
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("text, message", [("tpu:0", "not a device"), ("meta", "measures on cpu or cuda")])
+def test_device_that_is_not_cpu_or_cuda_is_refused(text, message):
+    with pytest.raises(SystemExit) as e:
+        main(["profile", *TINY, "-o", "x.json", "--device", text])
+    assert message in str(e.value.code)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_cuda_puts_everything_on_the_gpu(tmp_path):
+    data = run_json(tmp_path, ["profile", *TINY, "--batch", "2", "--device", "cuda", "-o", str(tmp_path / "p.json")])
+    assert data["torch_device"].startswith("cuda") and data["device"].startswith("GPU ")
+    assert data["tensors_on"]["parameters"] == data["tensors_on"]["inputs"] == [data["torch_device"]]
+    assert tp.load_profile(tmp_path / "p.json")["device"] == torch.cuda.get_device_name()
+
+
+# --- only the bench's own lines -------------------------------------------------------------------
+
+#: glog-style lines of torch's C++ libraries (kineto: "USDT:2026-11-26 10:47:58 10857:10857 File.cpp:39] ...")
+FOREIGN = r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]"
+
+
+def test_demo_prints_only_its_own_lines(tmp_path):
+    """No profiler chatter (kineto's USDT profiler_start/stop at every profiled step) and no
+    device-probe error lines (gpuGetDeviceCount failed, on a machine without a driver)."""
+    import re
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    r = subprocess.run([sys.executable, "-m", "tensorplace.bench", "demo", *TINY, "--batch", "2", *SEARCH],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr  # no terminal: no progress bar either
+    foreign = [line for line in r.stdout.splitlines() if re.match(FOREIGN, line) or "Warning" in line]
+    assert not foreign, foreign
+    assert "measured peak within the budget" in r.stdout
+    # the same run without the bench's setting shows what it keeps out (where torch prints any)
+    probe = subprocess.run([sys.executable, "-c", "import torch\nwith torch.profiler.profile(profile_memory=True):\n"
+                            "    torch.ones(1).sum()"], capture_output=True, text=True, timeout=300, env=env)
+    assert all(re.match(FOREIGN, line) for line in probe.stderr.splitlines() if line.strip()), probe.stderr

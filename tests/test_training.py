@@ -70,6 +70,9 @@ def mixed_plan(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[Any], torch
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+# Adam is not given to plan(): its state is memory the plan does not know of, reported at the first
+# planned step (tests/test_unplanned_memory.py); here only the training is compared
+@pytest.mark.filterwarnings("ignore::tensorplace.UnplannedMemoryWarning")
 def test_training_under_a_searched_plan_is_bitwise_equal(name: str) -> None:
     model, x, loss_fn = MODELS[name]()
     plan = mixed_plan(model, x, loss_fn)
@@ -179,8 +182,8 @@ def test_a_plan_for_another_model_or_shape_is_refused(tmp_path) -> None:
     with pytest.raises(tp.PlannerError, match="another model"):
         tp.run(other, path)
     fast = tp.run(model, tp.Plan.load(path))
-    with pytest.raises(tp.PlannerError, match="re-plan"):
-        fast(x[:2])
+    with pytest.raises(tp.PlannerError, match="larger than the planned 4.*re-plan"):
+        fast(torch.cat([x, x[:2]]))  # a larger batch (a smaller one trains under the plan: test_input_shapes.py)
     loss_fn(fast(x)).backward()  # the planned shape still works
     fast.close()
 

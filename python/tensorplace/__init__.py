@@ -16,6 +16,7 @@ budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches.
 from . import allocator, examples
 from .accumulate import accumulate
 from .api import plan, run
+from .unplanned_memory import UnplannedMemoryWarning
 from .runtime import DeltaRuntime, delta
 from ._core import BudgetError, PlannerError
 from .budget import format_bytes, parse_budget
@@ -43,6 +44,7 @@ __all__ = [
     "JobPlans",
     "Plan",
     "PlannerError",
+    "UnplannedMemoryWarning",
     "evaluate",
     "examples",
     "format_bytes",

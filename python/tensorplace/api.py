@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -19,6 +19,8 @@ from .budget import Budget, format_bytes
 from .planning import Plan, evaluate, plan_profile
 from .profiler import environment, environment_differences, profile_model
 from .runtime import DeltaRuntime, delta_from_plan
+from .shapes import Spec, compare, input_specs, planned_specs, scaled_profile, smallest_bucket, specs_json
+from .unplanned_memory import UnplannedMemoryCheck
 
 
 def _inputs_tuple(example_inputs: Any) -> Tuple[Any, ...]:
@@ -83,6 +85,7 @@ def plan(
     if units is not None:
         data["unit_modules"] = sorted(set(discover_units(model, units).values()))
     data["input_shapes"] = _describe_inputs(_inputs_tuple(example_inputs))
+    data["input_specs"] = specs_json(input_specs(_inputs_tuple(example_inputs)))
     return Plan(data)
 
 
@@ -175,14 +178,20 @@ def _warn_reserved_overhead(model: nn.Module, plan: Dict[str, Any]) -> None:
 
 
 class PlannedTraining(PlannedModule):
-    """``run()``'s module: the executor plus the checks that the plan belongs to this model and
-    this input shape."""
+    """``run()``'s module: the executor, plus the checks that the plan belongs to this model and
+    these inputs (shapes.py: inputs no larger than the planned ones train under the plan), the
+    plans of shape buckets (``shapes=``), and the check for memory the plan does not know of at
+    the first planned steps (unplanned_memory.py)."""
 
-    def __init__(self, model: nn.Module, plan: Plan, **kwargs: Any):
+    def __init__(self, model: nn.Module, plan: Plan, *, shapes: Optional[Sequence[Any]] = None,
+                 hard_cap: bool = False, **kwargs: Any):
         data = plan.to_dict()
         super().__init__(model, data, **kwargs)
+        self._plan = plan
+        self._executor_kwargs = {k: v for k, v in kwargs.items() if k in ("units", "verify", "optimizer")}
         self._expected_inputs: Optional[str] = None
         self._planned_shapes = data.get("input_shapes", "?")
+        self._planned_specs: Optional[List[Spec]] = planned_specs(data)
         settings = data.get("settings") or {}
         #: a moDNN plan runs its batch as sub-batches of this many samples (tensorplace.accumulate)
         self.sub_batch: Optional[int] = (
@@ -197,27 +206,116 @@ class PlannedTraining(PlannedModule):
                     "re-plan with tensorplace.plan(model, example_inputs, budget)"
                 )
             self._expected_inputs = parts.get("inputs")
+        self._main_executor = self.executor
+        #: shape buckets (shapes=): their specs, and per bucket its plan and executor once made
+        self.buckets: List[List[Spec]] = self._buckets(shapes) if shapes is not None else []
+        self.bucket_plans: Dict[int, Plan] = {}
+        self._bucket_executors: Dict[int, Any] = {}
+        self.memory_check = UnplannedMemoryCheck(model, data, hard_cap=hard_cap)
         _warn_on_environment_change(model, data.get("profile") or {})
         _warn_reserved_overhead(model, data)
 
-    def check_inputs(self, args: Sequence[Any]) -> None:
-        """Raise unless ``args`` have the shapes the plan was made for (the full batch)."""
-        if self._expected_inputs is not None and inputs_fingerprint(args) != self._expected_inputs:
-            raise PlannerError(
-                f"inputs of shape {_describe_inputs(args)} differ from the planned {self._planned_shapes}: "
-                "activation sizes change with the input shape, so the plan no longer fits; re-plan with "
-                "tensorplace.plan(model, inputs_of_this_shape, budget), or keep the batch shape fixed "
-                "(drop_last=True in the DataLoader)"
-            )
+    # --- shapes ----------------------------------------------------------------------------
+
+    def _buckets(self, shapes: Sequence[Any]) -> List[List[Spec]]:
+        if self._planned_specs is None:
+            raise PlannerError("shapes=: this plan does not record its input shapes; re-plan with tensorplace.plan()")
+        if self._plan.to_dict().get("state_swaps"):
+            raise PlannerError("shapes=: this plan keeps parameters or optimizer state on the host between steps "
+                               "(state_swaps), and two plans cannot share that; plan each shape on its own")
+        if not self._plan.to_dict().get("profile"):
+            raise PlannerError("shapes=: a bucket's plan is searched on the plan's profile, and this plan carries "
+                               "none; make it with tensorplace.plan() (or replan())")
+        tensors = [s for s in self._planned_specs if s is not None]
+        out = []
+        for b in shapes:
+            shapes_of = [b] if len(tensors) == 1 and all(isinstance(d, int) for d in b) else list(b)
+            if len(shapes_of) != len(tensors):
+                raise PlannerError(f"shapes=: bucket {b!r} gives {len(shapes_of)} shapes for the plan's "
+                                   f"{len(tensors)} tensor inputs; give one shape per tensor input")
+            it = iter(shapes_of)
+            specs = [None if s is None else (tuple(int(d) for d in next(it)), s[1]) for s in self._planned_specs]
+            rel, why = compare(specs, self._planned_specs)
+            if rel == "other":
+                raise PlannerError(f"shapes=: bucket {b!r} is not within the planned inputs {self._planned_shapes} "
+                                   f"({why}); a bucket's plan is made from the profile, which describes inputs no "
+                                   "larger than the planned ones")
+            out.append(specs)
+        return out
+
+    def check_inputs(self, args: Sequence[Any]) -> str:
+        """``"same"`` for the planned shapes, ``"smaller"`` for inputs no larger in every dimension
+        (they train under the plan: shapes.py says why its memory holds); raise otherwise."""
+        if self._expected_inputs is None or inputs_fingerprint(args) == self._expected_inputs:
+            return "same"
+        why = "the plan records no input shapes to compare with"
+        if self._planned_specs is not None:
+            planned = self._planned_specs
+            if self.sub_batch is not None:  # a moDNN plan's steps are of its sub-batch (tensorplace.accumulate)
+                planned = [None if s is None else ((self.sub_batch,) + s[0][1:] if s[0] else s[0], s[1]) for s in planned]
+            rel, why = compare(input_specs(args), planned)
+            if rel != "other":
+                return rel
+        raise PlannerError(
+            f"inputs of shape {_describe_inputs(args)} differ from the planned {self._planned_shapes} ({why}): "
+            "activation sizes change with the input shape, so the plan no longer fits; inputs no larger than the "
+            "planned ones in every dimension train under the plan, larger ones need a plan of their own: re-plan with "
+            "tensorplace.plan(model, inputs_of_the_largest_shape, budget), or keep the batch shape fixed "
+            "(drop_last=True in the DataLoader)"
+        )
+
+    def bucket_plan(self, k: int) -> Plan:
+        """The plan of bucket ``k``, searched on first use on the plan's profile scaled to the
+        bucket's shape (shapes.scaled_profile) with the plan's budget, method and search settings."""
+        if k not in self.bucket_plans:
+            data = self._plan.to_dict()
+            prof = scaled_profile(data["profile"], self.model, self._planned_specs or [], self.buckets[k])
+            given = data.get("settings") or {}
+            settings = {key: v for key, v in given.items() if key in (
+                "particles", "iterations", "seed", "restarts", "relinks", "mutation", "patience", "seed_extremes",
+                "time_limit", "mip_gap")}
+            if "prefetch_lookahead" in (given.get("eval") or {}):
+                settings["prefetch_lookahead"] = int(given["eval"]["prefetch_lookahead"])
+            found = plan_profile(prof, int(data["budget_bytes"]), str(data["method"]),
+                                 budget_kind=str(data.get("budget_kind") or "allocated"), **settings).to_dict()
+            found["profile"] = prof
+            found["input_specs"] = specs_json(self.buckets[k])
+            self.bucket_plans[k] = Plan(found)
+        return self.bucket_plans[k]
+
+    def _executor_for(self, args: Sequence[Any], relation: str) -> Any:
+        if relation == "same" or not self.buckets:
+            return self._main_executor
+        k = smallest_bucket(input_specs(args), self.buckets)
+        if k is None:
+            return self._main_executor
+        if k not in self._bucket_executors:
+            from cuda_exec.executor import PlannedModule as _Planned
+
+            kwargs = dict(self._executor_kwargs)
+            self._bucket_executors[k] = _Planned(self.model, self.bucket_plan(k).to_dict(),
+                                                 self._main_executor.backend, **kwargs).executor
+        return self._bucket_executors[k]
+
+    # --- the step --------------------------------------------------------------------------
 
     def _is_sub_batch(self, args: Sequence[Any]) -> bool:
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         return self.sub_batch is not None and first is not None and first.shape[0] == self.sub_batch
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.model.training and torch.is_grad_enabled() and not self._is_sub_batch(args):
-            self.check_inputs(args)
+        if self.model.training and torch.is_grad_enabled():
+            relation = "same" if self._is_sub_batch(args) else self.check_inputs(args)
+            self.memory_check.at_step_start(args)
+            self.executor = self._executor_for(args, relation)
         return super().forward(*args, **kwargs)
+
+    def close(self) -> None:
+        for ex in self._bucket_executors.values():
+            ex.close()
+        self._bucket_executors.clear()
+        self.executor = self._main_executor
+        super().close()
 
 
 def run(
@@ -229,6 +327,8 @@ def run(
     verify: Optional[bool] = None,
     runtime: bool = False,
     optimizer: Any = None,
+    shapes: Optional[Sequence[Any]] = None,
+    hard_cap: bool = False,
 ) -> Union[PlannedTraining, DeltaModule]:
     """``model`` as an ``nn.Module`` that trains under ``plan`` (a Plan or a plan file path).
 
@@ -246,6 +346,22 @@ def run(
     optimizer steps (``plan.state_swaps``, method ``"tensile"``): its ``step()`` then runs the
     plan's optimizer step (cuda_exec/cuda_exec/state_swap.py); the loop stays
     ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``close()`` puts it back.
+
+    Input shapes: inputs no larger than the planned ones in every dimension (a shorter sequence,
+    a smaller last batch) train under the plan, whose memory still holds for them
+    (tensorplace/shapes.py says why and what is checked); larger ones are refused.
+    ``shapes``: shape buckets, e.g. ``[(8, 128), (8, 256)]`` for a model of one (batch, tokens)
+    input (one shape per tensor input: ``[((8, 128), (8, 128)), ...]`` for two), each no larger
+    than the planned shapes: a batch trains under the plan of the smallest bucket that holds it,
+    searched on first use from the plan's profile scaled to that shape (same budget, method and
+    search settings) and kept (``module.bucket_plans``); a bucket's plan may retain more, so its
+    steps are faster.
+
+    Memory the plan does not know of: at the first planned steps the memory the step starts
+    with is compared with the plan's constant memory (tensorplace/unplanned_memory.py); more
+    (the state of an optimizer the plan was not given, tensors kept from earlier steps) is
+    reported once with ``UnplannedMemoryWarning``, the bytes and the fix. ``hard_cap=True``: a
+    budget that must hold; the step raises ``BudgetError`` instead when it would not.
     """
     if isinstance(plan, DeltaRuntime):
         return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify, **plan.executor_kwargs())
@@ -264,4 +380,5 @@ def run(
     if runtime:
         return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify,
                            **delta_from_plan(plan).executor_kwargs())
-    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify, optimizer=optimizer)
+    return PlannedTraining(model, plan, backend=backend, units=units, verify=verify, optimizer=optimizer,
+                           shapes=shapes, hard_cap=hard_cap)

@@ -2,16 +2,31 @@
 
 `compare_peers(model, x, loss_fn)` runs one training step of: the plain model; torch's
 checkpoint around every repeated block; checkpoint around sqrt(n)-sized groups of blocks;
-`torch.autograd.graph.save_on_cpu`; tensorplace's own per-block checkpoint plan; and tensorplace
-plans searched at the measured peak of each recipe (and at given budgets). Each row has the peak of allocated memory (torch's own records), the peak
-of reserved memory (CUDA), the median step time, the ratios to the plain step, whether the loss
-and every gradient are bitwise equal to the plain step's, and, for plans, the prediction.
+`torch.autograd.graph.save_on_cpu` (pinned on CUDA); tensorplace's own per-block checkpoint
+plan; and tensorplace plans searched at the measured peak of each recipe (and at given budgets).
+Each row has the peak of allocated memory (torch's own records), the peak of reserved memory
+(CUDA), the median step time, the ratios to the plain step, whether the loss and every gradient
+are bitwise equal to the plain step's, and, for plans, the prediction.
 `tensorplace-bench peers` prints it.
 
-Step times are taken in rounds once every row is set up: each round times one step of every
-row, in turn (reversed every other round), and a row's time is its median over the rounds. A
-machine whose load changes during the run then slows every row alike instead of the rows
-measured at the time.
+Rows are measured one at a time, each on its own: the recipes wrap the model's blocks in place
+and unwrap them after, and every plan's executor is closed before the next row, so no row runs
+with another's hooks; before each row ``gc.collect()``, and on CUDA ``synchronize()``,
+``empty_cache()`` and ``reset_peak_memory_stats()``, so its allocated and reserved peaks are its
+own, whatever ran before it (the plain step's gradients, kept for the bitwise check, wait on the
+host). ``order="reversed"`` measures the rows in the other order (the recipes before the plans
+at their memory, as those need the recipes' peaks), to check exactly that.
+
+Step times are taken in rounds once every row is measured: each row then runs on its own copy of
+the model (a deep copy: no executor's hooks on another row's modules), each round times one step
+of every row, in turn (reversed every other round), and a row's time is its median over the
+rounds. A machine whose load changes during the run then slows every row alike instead of the
+rows measured at the time.
+
+``time_limit``: seconds a row may take in all (its search, its measured steps, its timed steps);
+a row that runs out is reported with an ``error`` and the others go on. The limit is checked
+between Python-level operations (a SIGALRM in the main thread, else after each step): a single
+long kernel or search finishes first. ``log`` gets a line as each row starts and ends.
 
 Repeated blocks are the modules the planner's `checkpoint-blocks` method finds (the unit-name
 prefixes of its blocks), so the recipe and the plan checkpoint the same segments.
@@ -21,15 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
+import signal
 import statistics
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Checkpointed", "block_modules", "checkpoint_blocks", "checkpoint_sqrt", "compare_peers"]
+__all__ = ["Checkpointed", "RowTimeout", "block_modules", "checkpoint_blocks", "checkpoint_sqrt", "compare_peers"]
 
 
 class Checkpointed(nn.Module):
@@ -65,19 +84,15 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new) if not child.isdigit() else parent.__setitem__(int(child), new)
 
 
-def checkpoint_blocks(model: nn.Module, blocks: Iterable[str]) -> nn.Module:
-    """A copy of ``model`` (sharing nothing) with torch's checkpoint around every named block."""
-    out = copy.deepcopy(model)
-    for name in blocks:
-        _replace(out, name, Checkpointed(out.get_submodule(name)))
-    return out
+def _block_replacements(model: nn.Module, blocks: Iterable[str]) -> Dict[str, nn.Module]:
+    """Submodule name -> its replacement: torch's checkpoint around every named block."""
+    return {name: Checkpointed(model.get_submodule(name)) for name in blocks}
 
 
-def checkpoint_sqrt(model: nn.Module, blocks: Sequence[str]) -> Optional[nn.Module]:
-    """A copy of ``model`` with torch's checkpoint around groups of about sqrt(n) consecutive
-    blocks of the same container (an ``nn.Sequential`` or ``nn.ModuleList`` whose blocks run one
-    after another), like ``checkpoint_sequential``. None if the blocks are not in such containers."""
-    out = copy.deepcopy(model)
+def _sqrt_replacements(model: nn.Module, blocks: Sequence[str]) -> Optional[Dict[str, nn.Module]]:
+    """Container name -> its replacement: the blocks in groups of about sqrt(n), every group
+    checkpointed but the very last (as ``checkpoint_sequential``). None if the blocks are not the
+    whole of ``nn.Sequential`` or ``nn.ModuleList`` containers."""
     by_parent: Dict[str, List[int]] = {}
     for name in blocks:
         parent, _, idx = name.rpartition(".")
@@ -86,38 +101,86 @@ def checkpoint_sqrt(model: nn.Module, blocks: Sequence[str]) -> Optional[nn.Modu
         by_parent.setdefault(parent, []).append(int(idx))
     size = max(1, round(math.sqrt(len(blocks))))
     parents = list(by_parent)
+    out: Dict[str, nn.Module] = {}
     for parent, idxs in by_parent.items():
-        container = out.get_submodule(parent)
+        container = model.get_submodule(parent)
         if not isinstance(container, (nn.Sequential, nn.ModuleList)) or idxs != list(range(len(container))):
             return None
         groups = [nn.Sequential(*[container[i] for i in idxs[k:k + size]]) for k in range(0, len(idxs), size)]
-        # as checkpoint_sequential: every group is checkpointed but the very last, which runs plainly
         last = parent == parents[-1]
         wrapped = [Checkpointed(g) for g in (groups[:-1] if last else groups)] + ([groups[-1]] if last else [])
-        _replace(out, parent, nn.Sequential(*wrapped) if isinstance(container, nn.Sequential) else nn.ModuleList(wrapped))
+        out[parent] = nn.Sequential(*wrapped) if isinstance(container, nn.Sequential) else nn.ModuleList(wrapped)
+    return out
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, replacements: Dict[str, nn.Module]) -> Iterator[nn.Module]:
+    """``model`` with the named submodules replaced (sharing their parameters), put back after."""
+    old = {name: model.get_submodule(name) for name in replacements}
+    try:
+        for name, new in replacements.items():
+            _replace(model, name, new)
+        yield model
+    finally:
+        for name, module in old.items():
+            _replace(model, name, module)
+
+
+def checkpoint_blocks(model: nn.Module, blocks: Iterable[str]) -> nn.Module:
+    """A copy of ``model`` (sharing nothing) with torch's checkpoint around every named block."""
+    out = copy.deepcopy(model)
+    for name, new in _block_replacements(out, list(blocks)).items():
+        _replace(out, name, new)
+    return out
+
+
+def checkpoint_sqrt(model: nn.Module, blocks: Sequence[str]) -> Optional[nn.Module]:
+    """A copy of ``model`` with torch's checkpoint around groups of about sqrt(n) consecutive
+    blocks of the same container (an ``nn.Sequential`` or ``nn.ModuleList`` whose blocks run one
+    after another), like ``checkpoint_sequential``. None if the blocks are not in such containers."""
+    out = copy.deepcopy(model)
+    repl = _sqrt_replacements(out, blocks)
+    if repl is None:
+        return None
+    for name, new in repl.items():
+        _replace(out, name, new)
     return out
 
 
 def _step(module: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor], seed: int = 0,
           context: Any = None) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+    """One step's loss and gradients, copied to the host (kept there for the bitwise check, so
+    that they take no device memory while other rows are measured)."""
     for p in module.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    if context is None:
+    with context() if context is not None else contextlib.nullcontext():
         loss = loss_fn(module(x))
         loss.backward()
-    else:
-        with context():
-            loss = loss_fn(module(x))
-            loss.backward()
-    return loss.detach(), [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
+    out = (loss.detach().cpu(), [None if p.grad is None else p.grad.detach().cpu() for p in module.parameters()])
+    for p in module.parameters():
+        p.grad = None
+    return out
+
+
+def _fresh(dev: torch.device) -> None:
+    """What a row starts from: no garbage of earlier rows, and on CUDA an empty cache and peak
+    counters reset, so that the row's allocated and reserved peaks are its own."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def _measure(module: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor], repeats: int,
              context: Any = None) -> Dict[str, Any]:
-    """Peak allocated (torch's records), peak reserved (CUDA), median step time."""
+    """Peak allocated (torch's records), peak reserved and allocated (CUDA's counters, from a
+    fresh start: see :func:`_fresh`), median step time."""
     from .profiler import unplanned_step_stats
 
+    dev = next(module.parameters()).device
+    _fresh(dev)
     if context is None:
         stats = unplanned_step_stats(module, (x,), loss_fn=loss_fn, repeats=repeats)
     else:
@@ -132,38 +195,58 @@ def _measure(module: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor], 
         wrapper = _InContext(module)
         with context():
             stats = unplanned_step_stats(wrapper, (x,), loss_fn=loss_fn, repeats=repeats)
-    reserved = None
-    dev = next(module.parameters()).device
+    reserved = allocated = None
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        _step(module, x, loss_fn, context=context)
-        torch.cuda.synchronize(dev)
-        reserved = torch.cuda.max_memory_reserved(dev)
-    return {"peak_bytes": stats["peak_bytes"], "reserved_bytes": reserved, "step_time": stats["step_time"]}
+        reserved = int(torch.cuda.max_memory_reserved(dev))
+        allocated = int(torch.cuda.max_memory_allocated(dev))
+    return {"peak_bytes": stats["peak_bytes"], "reserved_bytes": reserved, "cuda_peak_allocated_bytes": allocated,
+            "step_time": stats["step_time"]}
 
 
-def _time_in_rounds(timed: Sequence[Tuple[Dict[str, Any], nn.Module, Any]], x: Any,
-                    loss_fn: Callable[[Any], torch.Tensor], rounds: int) -> None:
-    """Set ``step_time`` (median) and ``step_times`` of every row from ``rounds`` rounds of one
-    step of each ``(row, module, context)`` in turn (module docstring)."""
-    from .profiler import _Clock, _preserved, _timed_plain_step
+class RowTimeout(BaseException):
+    """A row of the peers table ran past its time limit (a BaseException, as KeyboardInterrupt:
+    no ``except Exception`` on the way swallows it)."""
 
-    model = timed[0][1]
-    dev = next(model.parameters()).device
-    clock = _Clock(dev)
-    times: List[List[float]] = [[] for _ in timed]
-    with _preserved(model, dev):
-        for r in range(rounds):
-            order = range(len(timed)) if r % 2 == 0 else range(len(timed) - 1, -1, -1)
-            for i in order:
-                _row, module, context = timed[i]
-                module.train()
-                with context() if context is not None else contextlib.nullcontext():
-                    times[i].append(_timed_plain_step(module, (x,), loss_fn, clock))
-    for (row, _module, _context), ts in zip(timed, times):
-        row["step_time"] = statistics.median(ts)
-        row["step_times"] = ts
+
+_DEADLINE: List[Tuple[float, str]] = []  # (perf_counter deadline, what) of the running time limits
+
+
+def _check_deadline() -> None:
+    """Raise :class:`RowTimeout` if the innermost time limit has passed: called between the
+    steps of a row, in case the alarm's exception was lost on its way (raised where something
+    caught and dropped it)."""
+    if _DEADLINE and time.perf_counter() > _DEADLINE[-1][0]:
+        raise RowTimeout(f"time limit reached during {_DEADLINE[-1][1]}")
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: Optional[float], what: str) -> Iterator[None]:
+    """Raise :class:`RowTimeout` once ``seconds`` have passed (SIGALRM in the main thread: at the
+    next Python-level operation; elsewhere, and as a backstop, at :func:`_check_deadline` and
+    after the block). None: no limit."""
+    if seconds is None:
+        yield
+        return
+    if seconds <= 0:
+        raise RowTimeout(f"no time left for {what}")
+    _DEADLINE.append((time.perf_counter() + seconds, what))
+    alarmed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    previous: Any = None
+    if alarmed:
+        def alarm(signum: int, frame: Any) -> None:
+            raise RowTimeout(f"time limit reached during {what}")
+
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+        _check_deadline()
+    finally:
+        if alarmed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        _DEADLINE.pop()
 
 
 def _equal(a: Tuple[torch.Tensor, List[Optional[torch.Tensor]]], b: Tuple[torch.Tensor, List[Optional[torch.Tensor]]]) -> bool:
@@ -171,6 +254,27 @@ def _equal(a: Tuple[torch.Tensor, List[Optional[torch.Tensor]]], b: Tuple[torch.
         return False
     return all((g is None and h is None) or (g is not None and h is not None and torch.equal(g, h))
                for g, h in zip(a[1], b[1]))
+
+
+class _Row:
+    """One row of the table: how to run it on the model (``enter``: a context manager yielding
+    (module, step context)), on its own copy (``copy``), and its time spent so far."""
+
+    def __init__(self, name: str, kind: str, **info: Any) -> None:
+        self.name, self.kind, self.info = name, kind, info
+        self.record: Dict[str, Any] = {"name": name}
+        self.spent = 0.0
+        self.enter: Callable[[], Any] = contextlib.nullcontext
+        self.copy: Callable[[], Tuple[nn.Module, Any, Callable[[], None]]] = lambda: (None, None, lambda: None)
+
+    def left(self, limit: Optional[float]) -> Optional[float]:
+        return None if limit is None else limit - self.spent
+
+
+def _fmt(n: Optional[int]) -> str:
+    from .budget import format_bytes
+
+    return "-" if n is None else format_bytes(n)
 
 
 def compare_peers(
@@ -183,78 +287,252 @@ def compare_peers(
     repeats: int = 3,
     search: Optional[Dict[str, Any]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    log: Optional[Callable[[str], None]] = None,
+    time_limit: Optional[float] = None,
+    order: str = "listed",
+    profile: Optional[Dict[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The rows of the peers table (module docstring), the plain step first. ``budgets``: extra
     tensorplace budgets in bytes; ``backend``: the executor's host tier (e.g. a CpuBackend with
-    a bandwidth cap); ``search``: settings of the search (particles, iterations, seed)."""
+    a bandwidth cap); ``search``: settings of the search (particles, iterations, seed);
+    ``progress``: told what is running (a progress bar's description); ``log``: a line as each row
+    starts and ends; ``time_limit``: seconds per row; ``order``: "listed" or "reversed" (the
+    order the rows are measured in; the table keeps its order); ``profile``: plan on this profile
+    of the model and input (e.g. saved by ``tensorplace-bench profile``) instead of profiling here."""
     import tensorplace as tp
 
+    if order not in ("listed", "reversed"):
+        raise ValueError(f"order must be 'listed' or 'reversed', got {order!r}")
+    if time_limit is not None and time_limit <= 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     search = dict(search or {})
     note = progress or (lambda _msg: None)
-    rows: List[Dict[str, Any]] = []
-    note("plain step")
-    reference = _step(model, x, loss_fn)
-    base = _measure(model, x, loss_fn, 1)
-    rows.append({"name": "unplanned", **base, "bitwise": True})
-    timed: List[Tuple[Dict[str, Any], nn.Module, Any]] = [(rows[0], model, None)]
-    opened: List[Any] = []
+    say = log or (lambda _msg: None)
+    dev = next(model.parameters()).device
 
-    note("profiling")
-    probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=repeats)
-    recipes: List[Tuple[str, Optional[nn.Module], Any]] = []
-    try:
-        blocks = block_modules(probe.replan(2**50, method="checkpoint-blocks"))
-    except tp.PlannerError:
-        blocks = []
-    if blocks:
-        recipes.append(("checkpoint per block", checkpoint_blocks(model, blocks), None))
-        recipes.append(("checkpoint sqrt(n)", checkpoint_sqrt(model, blocks), None))
-    pin = next(model.parameters()).device.type == "cuda"
-    recipes.append(("save_on_cpu", model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)))
+    from .profiler import _preserved
 
-    targets: List[Tuple[str, int]] = []
-    for name, module, context in recipes:
-        if module is None:
-            continue
-        note(name)
-        stats = _measure(module, x, loss_fn, 1, context)
-        same = _equal(_step(module, x, loss_fn, context=context), reference)
-        rows.append({"name": name, **stats, "bitwise": same})
-        timed.append((rows[-1], module, context))
-        targets.append((f"tensorplace at {name}", stats["peak_bytes"]))
-    targets += [(f"tensorplace at {tp.format_bytes(b)}", int(b)) for b in budgets]
-    plans: List[Tuple[str, Optional[int], str]] = [(name, budget, "pso") for name, budget in targets]
-    if blocks:  # the per-block recipe as a plan: the executor's segments against torch's checkpoint
-        plans.insert(0, ("tensorplace checkpoint-blocks", None, "checkpoint-blocks"))
+    with _preserved(model, dev):
+        note("plain step")
+        reference = _step(model, x, loss_fn)
+        note("profiling")
+        t0 = time.perf_counter()
+        if profile is not None:
+            say("peers: planning on the given profile")
+            probe = _probe_of(profile, model, x)
+        else:
+            say("peers: profiling the model")
+            probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=repeats)
+        say(f"peers: profile ready in {time.perf_counter() - t0:.1f} s")
+        try:
+            blocks = block_modules(probe.replan(2**50, method="checkpoint-blocks"))
+        except tp.PlannerError:
+            blocks = []
 
-    try:
-        for name, budget, method in plans:
-            note(name)
-            try:
-                plan = probe.replan(2**50 if budget is None else budget, method=method,
-                                    **(search if method == "pso" else {}))
-            except tp.BudgetError as exc:
-                rows.append({"name": name, "budget": budget, "error": str(exc).splitlines()[0]})
-                continue
-            fast = tp.run(model, plan, backend=backend)
-            opened.append(fast)
-            stats = _measure(fast, x, loss_fn, 1)
-            same = _equal(_step(fast, x, loss_fn), reference)
-            rows.append({"name": name, "budget": budget, "method": method, **stats, "bitwise": same,
-                         "predicted_peak_bytes": plan.predicted["peak_bytes"],
-                         "predicted_step_time": plan.predicted["step_time"], "counts": plan.counts()})
-            timed.append((rows[-1], fast, None))
+        rows: List[_Row] = [_Row("unplanned", "plain")]
+        recipes: List[_Row] = []
+        if blocks:
+            recipes.append(_Row("checkpoint per block", "recipe", replacements=lambda m: _block_replacements(m, blocks)))
+            if _sqrt_replacements(model, blocks) is not None:
+                recipes.append(_Row("checkpoint sqrt(n)", "recipe", replacements=lambda m: _sqrt_replacements(m, blocks)))
+        pin = dev.type == "cuda"
+        recipes.append(_Row("save_on_cpu", "recipe", context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)))
+        rows += recipes
+        plans: List[_Row] = []
+        if blocks:  # the per-block recipe as a plan: the executor's segments against torch's checkpoint
+            plans.append(_Row("tensorplace checkpoint-blocks", "plan", budget=None, method="checkpoint-blocks"))
+        plans += [_Row(f"tensorplace at {r.name}", "plan", budget_of=r, method="pso") for r in recipes]
+        plans += [_Row(f"tensorplace at {tp.format_bytes(b)}", "plan", budget=int(b), method="pso") for b in budgets]
+        rows += plans
+        measured = rows[:1 + len(recipes)]
+        measured = (measured + plans) if order == "listed" else (measured[::-1] + plans[::-1])
+
+        for k, row in enumerate(measured, 1):
+            note(row.name)
+            say(f"peers: row {k}/{len(measured)} {row.name}: started")
+            t0 = time.perf_counter()
+            left = row.left(time_limit)
+            # what the row sets up (a plan's executor, the recipe's wrappers) is undone here, outside
+            # the time limit, whatever happened inside it
+            with contextlib.ExitStack() as undo:
+                try:
+                    with _time_limit(left, f"row {row.name!r}"):
+                        _measure_row(row, model, x, loss_fn, reference, probe, backend, search, undo)
+                except tp.BudgetError as exc:
+                    row.record["error"] = str(exc.args[0]).splitlines()[0]
+                except torch.cuda.OutOfMemoryError as exc:  # this row does not fit the device: the others may
+                    row.record["error"] = "out of memory: " + str(exc).splitlines()[0]
+                except BaseException as exc:  # noqa: BLE001 - a timeout, maybe wrapped (raised in a hook)
+                    if not _timed_out(exc, t0, left):
+                        raise
+                    # what the row measured before it ran out is not reported: the row is not measured
+                    row.record = {"name": row.name, **{k: v for k, v in row.record.items() if k == "budget"},
+                                  "error": f"time limit ({time_limit:g} s) reached: {exc}"}
+                finally:
+                    for p in model.parameters():
+                        p.grad = None
+            row.spent += time.perf_counter() - t0
+            r = row.record
+            if "error" in r:
+                say(f"peers: row {k}/{len(measured)} {row.name}: not measured after {row.spent:.1f} s ({r['error']})")
+            else:
+                say(f"peers: row {k}/{len(measured)} {row.name}: done in {row.spent:.1f} s, peak {_fmt(r['peak_bytes'])}"
+                    + (f", reserved {_fmt(r['reserved_bytes'])}" if r.get("reserved_bytes") is not None else "")
+                    + f", bitwise {'yes' if r['bitwise'] else 'NO'}")
+
+        timed = [row for row in rows if "error" not in row.record]
         note(f"step times: {repeats} rounds of {len(timed)} steps")
-        _time_in_rounds(timed, x, loss_fn, repeats)
-    finally:
-        for fast in opened:
-            fast.close()
-    base = rows[0]  # its step time, too, is from the rounds
-    for r in rows:
-        if "peak_bytes" in r:
+        say(f"peers: step times, {repeats} rounds of one step of each of {len(timed)} rows, each on its own copy of the model")
+        t0 = time.perf_counter()
+        _time_in_rounds(timed, model, x, loss_fn, repeats, time_limit, backend)
+        say(f"peers: step times done in {time.perf_counter() - t0:.1f} s")
+    gc.collect()
+    out = [row.record for row in rows]
+    base = out[0]
+    for r in out:
+        if "peak_bytes" in r and "peak_bytes" in base:
             r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
+        if "step_time" in r and "step_time" in base:
             r["time_ratio"] = r["step_time"] / base["step_time"]
-    return rows
+    return out
+
+
+def _probe_of(profile: Dict[str, Any], model: nn.Module, x: Any) -> Any:
+    """A retain plan carrying ``profile`` (to replan from), once the profile is checked to be of
+    this model and input (its fingerprints, when it has them: `tensorplace-bench profile` writes them)."""
+    import tensorplace as tp
+
+    from .api import _inputs_tuple, inputs_fingerprint, parameters_fingerprint
+
+    fp = dict(p.split(":", 1) for p in str(profile.get("model_fingerprint") or "").split(";") if ":" in p)
+    modules = {name or "(root)" for name, _ in model.named_modules()}
+    missing = sorted({str(u["name"]).split("#")[0] for u in profile.get("units", [])} - modules)
+    if missing or fp.get("params") not in (None, parameters_fingerprint(model)) or \
+            fp.get("inputs") not in (None, inputs_fingerprint(_inputs_tuple(x))):
+        raise tp.PlannerError(
+            f"the profile given is of another model or input ({profile.get('model')}, inputs "
+            f"{profile.get('input_shapes', '?')}); profile this one with `tensorplace-bench profile` and the same "
+            "model options, or leave the profile out")
+    data = tp.plan_profile(profile, 2**50, "retain").to_dict()
+    data["profile"] = profile
+    for key in ("model_fingerprint", "input_shapes", "input_specs"):
+        if profile.get(key) is not None:
+            data[key] = profile[key]
+    return tp.Plan(data)
+
+
+def _timed_out(exc: BaseException, t0: float, left: Optional[float]) -> bool:
+    """Whether ``exc`` is the time limit's (raised as it is, or wrapped by autograd when the
+    alarm went off inside a backward hook)."""
+    if isinstance(exc, RowTimeout):
+        return True
+    return (isinstance(exc, Exception) and left is not None and time.perf_counter() - t0 >= left
+            and "time limit" in str(exc))
+
+
+def _measure_row(row: _Row, model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor],
+                 reference: Tuple[torch.Tensor, List[Optional[torch.Tensor]]], probe: Any, backend: Any,
+                 search: Dict[str, Any], undo: contextlib.ExitStack) -> None:
+    """Measure ``row`` on ``model`` itself (its peaks and bitwise check) and set how it runs on a
+    copy of the model for the timing rounds. What it sets up on the model is undone by ``undo``."""
+    import tensorplace as tp
+
+    r = row.record
+    if row.kind == "plain":
+        r.update(_measure(model, x, loss_fn, 1))
+        _check_deadline()
+        r.update(bitwise=_equal(_step(model, x, loss_fn), reference))
+        row.copy = lambda: (model, None, lambda: None)
+        return
+    if row.kind == "recipe":
+        context = row.info.get("context")
+        make = row.info.get("replacements")  # model -> {submodule name: its checkpointed replacement}
+        module = undo.enter_context(_swapped(model, make(model) if make is not None else {}))
+        r.update(_measure(module, x, loss_fn, 1, context))
+        _check_deadline()
+        r.update(bitwise=_equal(_step(module, x, loss_fn, context=context), reference))
+
+        def on_copy() -> Tuple[nn.Module, Any, Callable[[], None]]:
+            if make is None:  # save_on_cpu: the model itself, in its context
+                return model, context, lambda: None
+            clone = copy.deepcopy(model)
+            for name, new in make(clone).items():
+                _replace(clone, name, new)
+            return clone, context, lambda: None
+
+        row.copy = on_copy
+        return
+    # a plan
+    budget = row.info.get("budget")
+    if "budget_of" in row.info:
+        source = row.info["budget_of"].record
+        if "peak_bytes" not in source:
+            raise tp.BudgetError(f"no budget: the row {row.info['budget_of'].name!r} was not measured", None)
+        budget = int(source["peak_bytes"])
+    method = row.info["method"]
+    r["budget"] = budget
+    plan = probe.replan(2**50 if budget is None else budget, method=method, **(search if method == "pso" else {}))
+    _check_deadline()
+    fast = tp.run(model, plan, backend=backend)
+    undo.callback(fast.close)  # its hooks leave the model before the next row
+    stats = _measure(fast, x, loss_fn, 1)
+    _check_deadline()
+    same = _equal(_step(fast, x, loss_fn), reference)
+    r.update(method=method, **stats, bitwise=same, predicted_peak_bytes=plan.predicted["peak_bytes"],
+             predicted_step_time=plan.predicted["step_time"], counts=plan.counts(), actions=plan.actions)
+
+    def on_copy() -> Tuple[nn.Module, Any, Callable[[], None]]:
+        own = tp.run(copy.deepcopy(model), plan, backend=backend)
+        own.memory_check.left = 0  # the other rows' copies are on the device by design: nothing to report
+        return own, None, own.close
+
+    row.copy = on_copy
+
+
+def _time_in_rounds(rows: Sequence[_Row], model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor],
+                    rounds: int, time_limit: Optional[float], backend: Any) -> None:
+    """Set ``step_time`` (median) and ``step_times`` of every row from ``rounds`` rounds of one
+    step of each row, on its own copy of the model, in turn (module docstring)."""
+    from .profiler import _Clock, _timed_plain_step
+
+    dev = next(model.parameters()).device
+    clock = _Clock(dev)
+    made = [row.copy() for row in rows]
+    times: List[List[float]] = [[] for _ in rows]
+    live = [True] * len(rows)
+    try:
+        for r in range(-1, rounds):  # round -1: one untimed step of each copy (its first: lazy set-up)
+            order = range(len(rows)) if r % 2 == 0 else range(len(rows) - 1, -1, -1)
+            for i in order:
+                if not live[i]:
+                    continue
+                row, (module, context, _) = rows[i], made[i]
+                module.train()
+                t0 = time.perf_counter()
+                left = row.left(time_limit)
+                try:
+                    with _time_limit(left, f"row {row.name!r}'s timed steps"):
+                        with context() if context is not None else contextlib.nullcontext():
+                            seconds = _timed_plain_step(module, (x,), loss_fn, clock)
+                    if r >= 0:
+                        times[i].append(seconds)
+                except BaseException as exc:  # noqa: BLE001 - see _timed_out
+                    if not _timed_out(exc, t0, left):
+                        raise
+                    live[i] = False
+                    row.record["error"] = f"time limit ({time_limit:g} s) reached: {exc}"
+                finally:
+                    for p in module.parameters():
+                        p.grad = None
+                    row.spent += time.perf_counter() - t0
+    finally:
+        for _module, _context, close in made:
+            close()
+        del made
+    for row, ts, ok in zip(rows, times, live):
+        if ok and ts:
+            row.record["step_time"] = statistics.median(ts)
+            row.record["step_times"] = ts
 
 
 def _print_table(rows: List[Dict[str, Any]]) -> None:
@@ -267,19 +545,27 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
     for col in ("", "peak", "reserved", "step", "peak / unplanned", "time / unplanned", "bitwise",
                 "predicted peak", "predicted step"):
         t.add_column(col, justify="left" if not col else "right")
+    def num(r: Dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
+        return fmt(r[key]) if r.get(key) is not None else "-"
+
     for r in rows:
-        if "error" in r:
-            t.add_row(r["name"], "-", "-", "-", "-", "-", "-", r["error"][:60], "")
-            continue
-        res = r.get("reserved_bytes")
         t.add_row(
-            r["name"], format_bytes(r["peak_bytes"]), format_bytes(res) if res is not None else "-",
-            f"{r['step_time'] * 1e3:.0f} ms", f"{r['peak_ratio']:.2f}", f"{r['time_ratio']:.2f}",
-            "yes" if r["bitwise"] else "NO",
-            format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "",
-            f"{r['predicted_step_time'] * 1e3:.0f} ms" if "predicted_step_time" in r else "",
+            r["name"], num(r, "peak_bytes", format_bytes), num(r, "reserved_bytes", format_bytes),
+            num(r, "step_time", lambda v: f"{v * 1e3:.0f} ms"), num(r, "peak_ratio", lambda v: f"{v:.2f}"),
+            num(r, "time_ratio", lambda v: f"{v:.2f}"),
+            ("yes" if r["bitwise"] else "NO") if "bitwise" in r else "-",
+            r["error"][:60] if "error" in r else num(r, "predicted_peak_bytes", format_bytes).replace("-", ""),
+            "" if "error" in r else num(r, "predicted_step_time", lambda v: f"{v * 1e3:.0f} ms").replace("-", ""),
         )
     Console().print(t)
+
+
+def _stderr_line(text: str) -> None:
+    """A progress line on stderr, flushed at once, whether or not stderr is a terminal (a log
+    file of a long GPU run shows which row is running)."""
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
 
 
 def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Callable[[Any], Tuple[Any, Any, Any]],
@@ -299,11 +585,27 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
     p.add_argument("--particles", type=positive_int, default=100)
     p.add_argument("--iterations", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
+                   help="seconds a row may take in all (search, measured steps, timed steps; default 300); a row "
+                        "that runs out is reported as such and the others go on")
+    p.add_argument("--order", choices=("listed", "reversed"), default="listed",
+                   help="the order the rows are measured in (the table keeps its order; the recipes come before "
+                        "the plans at their memory either way): a row's peaks must not depend on it")
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="plan the rows on this profile of the same model and inputs (`tensorplace-bench profile`) "
+                        "instead of profiling here")
 
     def run(a: Any) -> int:
         if a.link is not None and a.link <= 0:
             raise SystemExit(f"--link must be a positive bandwidth in GB/s, got {a.link}")
+        if a.time_limit is not None and a.time_limit <= 0:
+            raise SystemExit(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
         budgets = list(a.budget)  # bytes (parsed by the argument's type)
+        prof = None
+        if a.profile:
+            from .bench.common import read_profile
+
+            prof = read_profile(a.profile, "--profile", " (write one with `tensorplace-bench profile`)")
         model, x, loss_fn = load_model(a)
         backend = None
         device = next(model.parameters()).device
@@ -313,16 +615,24 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
             from cuda_exec.cpu_backend import CpuBackend
 
             backend = CpuBackend(bandwidth_cap=a.link * 1e9)
+        from ._core import PlannerError
+
         try:
             with progress("peers") as bar:  # on stderr
                 rows = compare_peers(model, x, loss_fn, budgets=budgets, backend=backend, repeats=a.repeats,
                                      search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed},
-                                     progress=bar.describe)
+                                     progress=bar.describe, log=_stderr_line, time_limit=a.time_limit,
+                                     order=a.order, profile=prof)
+        except PlannerError as exc:
+            if prof is None:
+                raise
+            raise SystemExit(f"--profile {a.profile!r}: {exc}") from None
         finally:
             if backend is not None:
                 backend.close()
         _print_table(rows)
-        write_json(a, {"command": "peers", "device": str(device), "link_gbps": a.link, "rows": rows})
+        write_json(a, {"command": "peers", "device": str(device), "link_gbps": a.link, "order": a.order,
+                       "time_limit_s": a.time_limit, "profile": a.profile, "rows": rows})
         return 0
 
     p.set_defaults(func=run)

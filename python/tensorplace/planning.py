@@ -127,6 +127,14 @@ class Plan:
         self._data["model_fingerprint"] = value
 
     @property
+    def profile(self) -> Optional[Dict[str, Any]]:
+        """The profile the plan was searched on (a copy), kept by ``tensorplace.plan()`` and
+        ``replan()`` and saved with the plan; None for a plan from ``plan_profile()``, which
+        keeps only the profile's fingerprint."""
+        p = self._data.get("profile")
+        return json.loads(json.dumps(p)) if p is not None else None
+
+    @property
     def convergence(self) -> Optional[Dict[str, Any]]:
         return self._data.get("convergence")
 
@@ -174,7 +182,7 @@ class Plan:
             )
         kind = self.budget_kind if budget_kind is None else budget_kind
         new = plan_profile(data["profile"], budget, method, budget_kind=kind, **search).to_dict()
-        for key in ("model_fingerprint", "profile", "input_shapes", "unit_modules"):
+        for key in ("model_fingerprint", "profile", "input_shapes", "input_specs", "unit_modules"):
             if key in data:
                 new[key] = data[key]
         return Plan(new)

@@ -21,7 +21,10 @@ compare, convergence, timeline and maxbatch also take ``--builtin NAME`` (a buil
 profile) or ``--profile FILE`` (a saved one). Every subcommand takes ``--json PATH`` and writes
 the figures it prints there (with the command line, the device and the versions; ``--json -``
 writes them to stdout and everything else to stderr). Measured figures are labelled with the
-device.
+device. Every subcommand that builds a model and measures it takes ``--device`` (cpu, cuda,
+cuda:N; default cuda when torch sees a GPU): the model, its inputs and labels are made there, and
+the JSON says where its tensors were (``torch_device``, ``tensors_on``). Torch's own log lines
+(the profiler's) are kept off stdout and stderr (``KINETO_LOG_LEVEL``, unless set).
 
 Adding a subcommand: write a module with ``add_cli(subparsers)`` that adds its parser and sets
 ``fn`` (``p.set_defaults(fn=...)``), a function taking the parsed arguments and returning the exit
@@ -35,13 +38,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from .. import allocator
 from ..methods import bench as methods_bench
 from . import accuracy, budgets, compare, convergence, demo, maxbatch, peers, plan, profile, timeline, zoo
-from .common import HOST_MALLOC_ENV, HOST_MALLOC_MODES, STDOUT, Output, default_host_malloc, dump_json, host_malloc, versions, where
+from .common import (HOST_MALLOC_ENV, HOST_MALLOC_MODES, STDOUT, Output, default_host_malloc, dump_json, host_malloc,
+                     resolve_device, versions, where)
 
 # One line per subcommand: its module's add_cli(subparsers).
 COMMANDS: List[Callable[[Any], None]] = [
@@ -80,12 +85,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def quiet_torch_logs() -> None:
+    """Keep torch's own C++ log lines off the bench's stdout and stderr: the profiler library
+    (kineto) writes ``USDT: ... profiler_start`` / ``profiler_stop`` at every profiled step and,
+    on a machine without a GPU driver, ``ERROR: ... gpuGetDeviceCount failed with code 35``.
+    ``KINETO_LOG_LEVEL`` is read once, when the profiler is first used: set here (unless the
+    environment sets it) before anything profiles; 6 is above its highest level."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_torch_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
     path = a.json if getattr(a, "_bench_json", False) else None
     heap = host_malloc(a.host_malloc)
-    header = {"command": a.cmd, "argv": argv, "device": where(), "versions": versions(), "host_malloc": heap} if path else {}
+    measures = hasattr(a, "device")  # the subcommands that build a model and measure it (--device)
+    if measures:
+        a.device = resolve_device(a.device)
+    header = {"command": a.cmd, "argv": argv, "device": where(a.device if measures else None),
+              **({"torch_device": str(a.device)} if measures else {}),
+              "versions": versions(), "host_malloc": heap} if path else {}
     a.out = Output(path, header)
     stdout = sys.stdout
     rc = 1

@@ -51,7 +51,7 @@ def cmd_accuracy(a: argparse.Namespace) -> int:
                     "time_error": err,
                 })
     common.table(
-        f"evaluator accuracy, {rm.name} {rm.shapes()}, measured on {common.where()} "
+        f"evaluator accuracy, {rm.name} {rm.shapes()}, measured on {common.where(rm.device)} "
         f"(unplanned {format_bytes(base['peak_bytes'])}, {common.ms(base['step_time'])} ms)",
         ["cut", "method", "budget", "pred peak", "meas peak", "pred ms", "meas ms", "time err"],
         rows,

@@ -105,12 +105,16 @@ def cmd_budgets(a: argparse.Namespace) -> int:
 
     names = a.model or zoo.names()
     backend = None
-    if a.link is not None:
-        if a.link <= 0:
-            raise SystemExit(f"--link must be a positive bandwidth in GB/s, got {a.link}")
+    link = a.link if a.link is not None or a.device.type != "cpu" else 1.0
+    if link is not None:
+        if link <= 0:
+            raise SystemExit(f"--link must be a positive bandwidth in GB/s, got {link}")
+        if a.device.type != "cpu":
+            raise SystemExit("--link caps the CPU backend's copies; on a GPU the link is the real one (leave --link out)")
         from cuda_exec.cpu_backend import CpuBackend
 
-        backend = CpuBackend(bandwidth_cap=a.link * 1e9)
+        backend = CpuBackend(bandwidth_cap=link * 1e9)
+    a.out["link_gbps"] = link
     table: List[List[str]] = []
     results: Dict[str, Any] = {}
     failed = 0
@@ -118,7 +122,10 @@ def cmd_budgets(a: argparse.Namespace) -> int:
         for name in names:
             if name not in zoo.MODELS:
                 raise SystemExit(f"--model {name!r}: not in the zoo ({', '.join(zoo.names())})")
-            model, inputs, loss_fn = zoo.build(name, batch=a.batch)
+            with torch.device(a.device):  # the model, its inputs and labels on --device
+                model, inputs, loss_fn = zoo.build(name, batch=a.batch)
+            model, inputs = common.on_device(model, tuple(inputs), a.device)
+            a.out["tensors_on"] = common.placement(model, inputs)
             with common.progress(f"{name}: planning and measuring at three budgets"):
                 rows = check_model(model, inputs, loss_fn, backend=backend, method=a.method,
                                    search={"particles": a.particles, "iterations": a.iterations, "seed": a.seed})
@@ -150,8 +157,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--model", action="append", default=None, help="a zoo model (repeatable; default: all)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--method", default="pso")
-    p.add_argument("--link", type=float, default=1.0, metavar="GB/s",
-                   help="cap the CPU backend's host copies at this bandwidth (default 1 GB/s)")
+    p.add_argument("--link", type=float, default=None, metavar="GB/s",
+                   help="cap the CPU backend's host copies at this bandwidth (default on the CPU: 1 GB/s; "
+                        "not on a GPU, whose link is the real one)")
+    common.device_arg(p)
     p.add_argument("--particles", type=int, default=20)
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)

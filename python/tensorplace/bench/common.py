@@ -121,13 +121,80 @@ def ms(s: Optional[float]) -> str:
     return "-" if s is None else f"{s * 1e3:.2f}"
 
 
-def where() -> str:
-    """The device measured figures come from."""
+def where(device: Any = None) -> str:
+    """The device measured figures come from: ``device`` (a torch device or its name; default: the
+    bench's default device, the GPU when there is one)."""
     import torch
 
-    if torch.cuda.is_available():
-        return f"GPU {torch.cuda.get_device_name()}"
+    dev = default_device() if device is None else torch.device(device)
+    if dev.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(dev)}"
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# --- the device the bench measures on (--device) ------------------------------------------------
+
+
+def default_device() -> Any:
+    """``cuda`` when torch sees a GPU, else ``cpu``."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_arg(p: argparse.ArgumentParser) -> None:
+    """--device: where the model, its inputs and labels live and every step is measured."""
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the model, inputs and labels are put and measured: cpu, cuda or cuda:N (default: "
+                        "cuda when torch sees a GPU, else cpu); the executor's host tier follows (the CUDA backend "
+                        "on a GPU)")
+
+
+def resolve_device(text: Optional[str]) -> Any:
+    """The torch device of ``--device`` (None: :func:`default_device`), or SystemExit saying why
+    it cannot be used here."""
+    import torch
+
+    if text is None:
+        return default_device()
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise SystemExit(f"--device {text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise SystemExit(f"--device {text!r}: the bench measures on cpu or cuda (cuda:N), not {dev.type}")
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device {text}: torch sees no CUDA device here (torch.cuda.is_available() is False; torch "
+            f"{torch.__version__}, built for CUDA {torch.version.cuda or 'none: a CPU-only build'}); measure on "
+            "the CPU with --device cpu, or run the bench on a GPU machine (docs/gpu.md)")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise SystemExit(f"--device {text}: there {'is' if count == 1 else 'are'} {count} CUDA device(s) here, "
+                         f"cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def placement(model: Any, inputs: Sequence[Any]) -> Dict[str, Any]:
+    """Where a model's parameters and buffers and its input tensors are (device names), for the
+    JSON: what the bench really measured on."""
+    import torch
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    return {"parameters": sorted({str(t.device) for t in tensors}),
+            "inputs": sorted({str(t.device) for t in inputs if isinstance(t, torch.Tensor)})}
+
+
+def on_device(model: Any, inputs: Tuple[Any, ...], device: Any) -> Tuple[Any, Tuple[Any, ...]]:
+    """``model`` and ``inputs`` on ``device``: what a factory made elsewhere (a tensor created with
+    an explicit device) is moved there."""
+    import torch
+
+    if any(t.device != device for t in list(model.parameters()) + list(model.buffers())):
+        model = model.to(device)
+    return model, tuple(t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t for t in inputs)
 
 
 def versions() -> Dict[str, str]:
@@ -262,6 +329,7 @@ class RealModel:
     inputs: Tuple[Any, ...]
     loss_fn: Optional[Callable[[Any], Any]]
     build: Callable[[int], "RealModel"] = field(repr=False)
+    device: Any = None  #: where the model, inputs and labels were made (torch.device)
 
     @property
     def batch(self) -> int:
@@ -429,16 +497,28 @@ def _from_factory(spec: str, batch: int, image: int, seq: int, classes: int,
 
 
 def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes: int = 100,
-                input_shape: Optional[Sequence[int]] = None) -> RealModel:
+                input_shape: Optional[Sequence[int]] = None, device: Any = "cpu") -> RealModel:
     """A zoo model by name, or the user's own by import path ``package.module:factory``.
 
     The factory is called with those of the keywords batch, image, seq, classes that it accepts
     and returns an nn.Module (its inputs: ``randn(batch, *input_shape)``, default 3 x image x
-    image), or (model, inputs) or (model, inputs, loss_fn). Inputs are synthetic, seed 0."""
+    image), or (model, inputs) or (model, inputs, loss_fn). Inputs are synthetic, seed 0.
+
+    Everything is made on ``device`` (torch's default device while the builder runs: the model,
+    its inputs and the labels its loss function holds); a model or inputs a factory puts
+    elsewhere explicitly are moved there."""
     import torch
+
+    dev = torch.device(device)
 
     def build(b: int) -> RealModel:
         torch.manual_seed(0)
+        with torch.device(dev):
+            model, inputs, loss_fn = make(b)
+        model, inputs = on_device(model, tuple(inputs), dev)
+        return RealModel(spec, model, inputs, loss_fn, build, dev)
+
+    def make(b: int) -> Tuple[Any, Tuple[Any, ...], Optional[Callable[[Any], Any]]]:
         if ":" in spec:
             model, inputs, loss_fn = _from_factory(spec, b, image, seq, classes, input_shape)
         elif spec in _OWN:
@@ -459,7 +539,7 @@ def build_model(spec: str, batch: int, image: int = 128, seq: int = 256, classes
                 f"(e.g. resnet18, vit_b_16; `tensorplace-bench models` lists them), or an import path "
                 f"'package.module:factory'.{hint}"
             )
-        return RealModel(spec, model, inputs, loss_fn, build)
+        return model, inputs, loss_fn
 
     return build(batch)
 
@@ -479,6 +559,7 @@ def model_args(p: argparse.ArgumentParser, batch: int = 32, default: Optional[st
     p.add_argument("--classes", type=positive_int, default=100, help="classes of image models (default 100)")
     p.add_argument("--input-shape", type=shape, default=None,
                    help="per-sample input shape for a factory that returns a bare module, e.g. 3x64x64")
+    device_arg(p)
 
 
 def repeats_arg(p: argparse.ArgumentParser) -> None:
@@ -505,7 +586,15 @@ def shape(text: str) -> Tuple[int, ...]:
 
 
 def model_from_args(a: argparse.Namespace, batch: Optional[int] = None) -> RealModel:
-    return build_model(a.model, a.batch if batch is None else batch, a.image, a.seq, a.classes, a.input_shape)
+    """The real model of --model and its input options, on --device (resolved by the bench's
+    main); the JSON records where its tensors are."""
+    dev = getattr(a, "device", None)
+    rm = build_model(a.model, a.batch if batch is None else batch, a.image, a.seq, a.classes, a.input_shape,
+                     device=dev if dev is not None else "cpu")
+    out = getattr(a, "out", None)
+    if out is not None:
+        out["tensors_on"] = placement(rm.model, rm.inputs)
+    return rm
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -524,6 +613,7 @@ def profile(rm: RealModel, repeats: int) -> Dict[str, Any]:
     ``plan`` needs to write a plan that ``run()`` checks against the model."""
     from ..api import _describe_inputs, inputs_fingerprint, parameters_fingerprint
     from ..profiler import profile_model
+    from ..shapes import input_specs, specs_json
 
     with progress(f"profiling {rm.name} {rm.shapes()}"):
         prof = profile_model(rm.model, rm.inputs, loss_fn=rm.loss_fn, repeats=repeats, name=rm.name)
@@ -531,6 +621,7 @@ def profile(rm: RealModel, repeats: int) -> Dict[str, Any]:
         f"params:{parameters_fingerprint(rm.model)};inputs:{inputs_fingerprint(rm.inputs)}"
     )
     prof["input_shapes"] = _describe_inputs(rm.inputs)
+    prof["input_specs"] = specs_json(input_specs(rm.inputs))
     return prof
 
 

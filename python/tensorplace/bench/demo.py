@@ -18,7 +18,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from ..api import run
 
     rm = common.model_from_args(a)
-    print(f"{rm.name}: inputs {rm.shapes()}, measured on {common.where()}")
+    print(f"{rm.name}: inputs {rm.shapes()}, measured on {common.where(rm.device)}")
     with common.progress(f"measuring unplanned steps of {rm.name}"):
         base = common.measure(rm.model, rm.inputs, rm.loss_fn, a.repeats)
     t0 = time.perf_counter()

@@ -64,7 +64,7 @@ def extrapolate(p1: Dict[str, Any], b1: int, p2: Dict[str, Any], b2: int, b: int
                 o[k] = [[p, int(round(lin(bx, by)))] for (p, bx), (_, by) in zip(x[k], y[k])]
         if "held_from" in o and "held_input_bytes" in o:  # rounding must not push the parts above the whole
             o["held_input_bytes"] = max(o["held_input_bytes"], sum(b for _, b in o["held_from"]))
-    for k in ("model_fingerprint", "input_shapes"):
+    for k in ("model_fingerprint", "input_shapes", "input_specs"):
         out.pop(k, None)
     return out
 
@@ -230,7 +230,7 @@ def _real(a: argparse.Namespace, methods: List[str]) -> int:
     memory = a.memory
     r = _Real(a)
     b1, b2 = a.probe_batches
-    print(f"{r.rm.name}: largest batch in {format_bytes(memory)}, measured on {common.where()} "
+    print(f"{r.rm.name}: largest batch in {format_bytes(memory)}, measured on {common.where(r.rm.device)} "
           f"(probe profiles at batches {b1} and {b2})")
     rows = []
     with common.progress("maxbatch", total=len(methods)) as bar:
@@ -283,7 +283,7 @@ def _real(a: argparse.Namespace, methods: List[str]) -> int:
                 "predicted_step_time": pred_t, "attempts": log,
             })
     common.table(
-        f"{r.rm.name} ({r.rm.shapes().split(',')[0]} per probe): largest batch in {format_bytes(memory)}, measured on {common.where()}",
+        f"{r.rm.name} ({r.rm.shapes().split(',')[0]} per probe): largest batch in {format_bytes(memory)}, measured on {common.where(r.rm.device)}",
         ["method", "cost model", "confirmed", "measured peak", "step ms", "samples/s", "predicted samples/s"], rows)
     a.out.update(model=r.rm.name, memory_bytes=memory, mode="real, measured", probe_batches=[b1, b2])
     return 0

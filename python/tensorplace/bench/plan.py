@@ -18,7 +18,7 @@ def plan_from_profile(prof: Dict[str, Any], budget: int, method: str, **search: 
     that ``run()`` checks the plan against the model as it does for ``plan()``'s plans."""
     data = plan_profile(prof, budget, method, **search).to_dict()
     data["profile"] = prof
-    for key in ("model_fingerprint", "input_shapes"):
+    for key in ("model_fingerprint", "input_shapes", "input_specs"):
         if prof.get(key) is not None:
             data[key] = prof[key]
     return Plan(data)

@@ -18,7 +18,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     save_profile(prof, a.output)
     m = prof["measured"]
     lb = lower_bound(prof)
-    print(f"{rm.name} {rm.shapes()} on {common.where()}: {len(prof['units'])} units, measured peak "
+    print(f"{rm.name} {rm.shapes()} on {common.where(rm.device)}: {len(prof['units'])} units, measured peak "
           f"{format_bytes(m['peak_bytes'])}, step {common.ms(m['step_time'])} ms; constant "
           f"{format_bytes(sum(prof['memory'].values()))}; smallest peak any plan could have {format_bytes(lb)}")
     print(f"profile saved to {a.output}; plan it anywhere with: tensorplace-bench plan {a.output} --budget SIZE")
