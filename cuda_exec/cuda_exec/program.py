@@ -414,8 +414,9 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
         ev.boundary = bool(work[u])
         ev.track_open = tracked[u]
         ev.track_close = prev_tracked and not tracked[u]
-        if ev.disarm or ev.arm or ev.boundary or ev.track_open or ev.track_close or (
-                ev.check and seg_of_unit[u] != seg_of_unit[u - 1]):
+        # (a span's pack count is checked where it ends and at the end of the forward: no hook
+        # is added only to check it)
+        if ev.disarm or ev.arm or ev.boundary or ev.track_open or ev.track_close:
             starts[table.unit_call[u]] = ev
     tops: Dict[int, Tuple[int, int]] = {}
     for seg in seg_list:

@@ -31,6 +31,7 @@ __all__ = ["SegmentFrame", "Holder", "unpack"]
 #: a slot's argument: the tensor itself, held (ARG_HOLD, ARG_COPY), or its swap entry (ARG_ENTRY)
 _TENSOR, _ENTRY = 0, 1
 _NONE: List[Any] = []
+_NO_VALUES: List[Any] = []  # shared while a frame has no value holders (never appended to)
 
 
 def _no_unpack(_: Any) -> torch.Tensor:
@@ -92,14 +93,14 @@ class SegmentFrame:
         #: per capture index: the holder of that pack (weakly: it dies with its node)
         self.holders: List[Optional["weakref.ReferenceType[Holder]"]] = [None] * spec.holds
         #: holders of views of top calls' outputs saved outside the top calls
-        self.values: List["weakref.ReferenceType[Holder]"] = []
+        self.values: List["weakref.ReferenceType[Holder]"] = _NO_VALUES
         #: per top call: its flattened (args, kwargs) leaves as the forward passed them; a tensor
         #: leaf as (kind, tensor or entry, version, requires_grad), or None when regenerated
         self.args: List[Optional[List[Any]]] = [None] * len(spec.calls)
         self.specs: List[Any] = [None] * len(spec.calls)
         self.rng_cpu: Optional[torch.Tensor] = None
         self.rng_cuda: List[Tuple[int, torch.Tensor]] = []
-        self.autocast: List[Tuple[str, torch.dtype]] = []
+        self.autocast: List[Tuple[str, torch.dtype]] = _NONE
         self.grad_enabled = True
         self.replayed = False
         self.released = False
@@ -118,12 +119,9 @@ class SegmentFrame:
         self.grad_enabled = torch.is_grad_enabled()
         if self.spec.random:
             self.rng_cpu = torch.get_rng_state()
-        for dev in ("cpu", "cuda"):
-            try:
-                if torch.is_autocast_enabled(dev):
-                    self.autocast.append((dev, torch.get_autocast_dtype(dev)))
-            except (RuntimeError, TypeError):  # pragma: no cover - device type unsupported
-                pass
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            self.autocast = [(dev, torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
+                             if torch.is_autocast_enabled(dev)]
 
     def capture(self, i: int, args: Tuple[Any, ...], kwargs: Any, entries: Any) -> None:
         """Top call ``i`` starts with ``args``/``kwargs``: keep what its replay needs."""
@@ -187,6 +185,8 @@ class SegmentFrame:
     def hold_value(self, call: int, pos: int, t: torch.Tensor) -> Holder:
         h = Holder(self, -1)
         h.meta = (call, pos, ViewMeta.of(t))
+        if self.values is _NO_VALUES:
+            self.values = []
         self.values.append(weakref.ref(h))
         return h
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -13,7 +14,7 @@ from torch.overrides import _get_current_function_mode
 from .errors import PlanMismatchError
 from .learn import _act_code, _PlanTracker, _Table
 from .program import A_HOLD, A_HOLD_VALUE, A_RETAIN, A_SWAP, A_TRACKED_VALUE, Program
-from .segment_frame import SegmentFrame, unpack
+from .segment_frame import Holder, SegmentFrame, unpack
 from .step_state import _Entry, _new_entry, _StepState, _SwapHandle
 from .units import Segment, ValueRec, ViewMeta, _GlueMode
 from .verify import checksum
@@ -185,7 +186,7 @@ class _SteadyStep:
     run the tracker (:class:`_ScopedTracker`)."""
 
     __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "tracker", "scoped", "frames", "acts",
-                 "hold")
+                 "hold", "verify")
 
     def __init__(self, ex: "Executor", state: _StepState, program: Program) -> None:
         self.ex = ex
@@ -201,6 +202,7 @@ class _SteadyStep:
         self.frames: List[Optional[SegmentFrame]] = [None] * len(program.segments)
         self.acts = program.acts
         self.hold = program.hold
+        self.verify = state.verify
 
     # the forward pre-hook of every hooked module (installed once, see Executor._install)
     def call_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -336,9 +338,9 @@ class _SteadyStep:
             frame = self.frames[s]
             if frame is None:
                 raise self._pack_mismatch(k)
-            h = frame.hold(i, t)
-            self.state.stats.dropped_tensors += 1
-            if self.state.verify:
+            h = Holder(frame, i)
+            frame.holders[i] = weakref.ref(h)
+            if self.verify:
                 self._verify(h, t, self.p.segments[s].first)
             return h
         if a == A_SWAP:
@@ -349,8 +351,7 @@ class _SteadyStep:
             if frame is None:
                 raise self._pack_mismatch(k)
             h = frame.hold_value(i, pos, t)
-            self.state.stats.dropped_tensors += 1
-            if self.state.verify:
+            if self.verify:
                 self._verify(h, t, self.p.segments[s].first)
             return h
         if a == A_TRACKED_VALUE and self.tracker is not None:
@@ -396,6 +397,8 @@ class _SteadyStep:
             self.disarm(len(tb.acts))
         st = self.state
         st.stats.units = n
+        st.stats.dropped_tensors += sum(sum(r is not None for r in f.holders) + len(f.values)
+                                        for f in self.frames if f is not None)
         st.forward_done(n)
         st.release_unneeded()
         for frame in self.frames:

@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
                        help="keep: the C heap keeps freed memory, as a GPU's caching allocator does, so that "
                             "CPU steps do not pay page faults that depend on allocation order (default, or "
                             f"${HOST_MALLOC_ENV}); default: glibc's own trimming")
+        p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                       help="torch's intra-op threads for the whole command (default: torch's own); 1 with "
+                            "tiny models makes a CPU step host work, the regime of a fast GPU (docs/gpu.md)")
     return ap
 
 
@@ -100,6 +103,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parser().parse_args(argv)
     path = a.json if getattr(a, "_bench_json", False) else None
     heap = host_malloc(a.host_malloc)
+    if a.torch_threads is not None:
+        if a.torch_threads < 1:
+            raise SystemExit(f"--torch-threads must be at least 1, got {a.torch_threads}")
+        import torch
+
+        torch.set_num_threads(a.torch_threads)
     measures = hasattr(a, "device")  # the subcommands that build a model and measure it (--device)
     if measures:
         a.device = resolve_device(a.device)

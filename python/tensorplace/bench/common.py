@@ -390,6 +390,8 @@ register_model("gpt6", "TinyGPT: 6 layers, width 256, 4 heads, vocabulary 512; -
                _gpt(512, 256, 4, 6))
 register_model("gpt12", "TinyGPT at GPT-2 small's shape: 12 layers, width 768, 12 heads, vocabulary 8192; --seq tokens "
                "(the GPT measured on the H100, shared/GPU.md)", _gpt(8192, 768, 12, 12))
+register_model("gpt6s", "TinyGPT: 6 layers, width 64, 4 heads, vocabulary 512; --seq tokens (with batch 1, 64 tokens and "
+               "--torch-threads 1: tiny kernels, a fast GPU's regime on a CPU, issue 17)", _gpt(512, 64, 4, 6))
 register_model("tinygpt", "TinyGPT: 2 layers, width 32, 4 heads, vocabulary 64; --seq tokens (for tests)", _gpt(64, 32, 4, 2))
 register_model("inception", "the package's TinyInception (two inception blocks); --image images", _inception)
 
