@@ -1236,3 +1236,27 @@ def test_a_prefetch_before_the_offload_completed_keeps_the_device_bytes_instead_
     assert out.data_ptr() == src.data_ptr() and torch.equal(out, src)
     be.release(h)
     be.close()
+
+
+def test_new_input_shapes_relearn_and_train_as_the_model() -> None:
+    """A steady step's tables hold for the shapes they were learned on: other shapes are learned
+    once (a warning the first time) and kept, and every step trains bitwise equal to the model."""
+    model, x, y = make("gpt")
+    ref = copy.deepcopy(model)
+    recs = records(model, x)
+    acts = ["recompute" if r.name.startswith("blocks.") else "retain" for r in recs]
+    planned = PlannedModule(model, acts, backend=CpuBackend())
+    with pytest.warns(RuntimeWarning, match="changed shape"):
+        for t in (x.shape[1], x.shape[1] // 2, x.shape[1], x.shape[1] // 2):
+            xi, yi = x[:, :t], y.reshape(x.shape)[:, :t].reshape(-1)
+            for m in (model, ref):
+                m.zero_grad()
+            torch.manual_seed(1)
+            loss_fn(planned(xi), yi).backward()
+            torch.manual_seed(1)
+            loss_fn(ref(xi), yi).backward()
+            for p1, p2 in zip(ref.parameters(), model.parameters()):
+                assert torch.equal(p1.grad, p2.grad)
+            assert planned.last_stats.replays > 0
+    assert planned.executor.relearned == 1 and len(planned.executor._programs) == 2
+    planned.close()

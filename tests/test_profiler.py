@@ -586,3 +586,42 @@ def test_what_the_forward_keeps_of_dropped_activations_is_measured():
     # b is a's last forward reader, yet h stays until the forward returns (after d)
     assert a["lingering_bytes"] == 64 * 256 * 4 and a["lingering_until"] == 3
     assert all("lingering_bytes" not in u for u in p["units"][1:])
+
+
+def test_the_profile_says_what_the_executor_needs_to_charge_its_host_time():
+    """Issue 17: per unit the saved tensors of its segment, its activations' storages, its glue
+    calls and the module call holding its glue (docs/cost-model.md, "Host time"), whether it
+    draws random numbers; and the executor's host costs measured on the device."""
+    from tensorplace.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=50, dim=16, heads=2, layers=1, block=8, dropout=0.1)
+    p = tpp.profile_model(model, torch.randint(0, 50, (2, 8)), repeats=1)
+    units = {u["name"]: (i, u) for i, u in enumerate(p["units"])}
+    costs = p["executor"]
+    assert set(costs) >= {"segment", "drop", "swap", "swap_async", "tracked_op", "inline_bytes"}
+    assert all(v >= 0 and v == v for v in costs.values())
+    qkv_i, qkv = units["blocks.0.attn.qkv"]
+    # the attention's functional glue (split, view, matmul, softmax, ...) follows qkv, inside the
+    # attention module's call: a segment holding the whole attention replays it from that call
+    assert qkv["glue_ops"] >= 8
+    first, last = qkv["glue_scope"]
+    names = [u["name"] for u in p["units"][first:last + 1]]
+    assert all(n.startswith("blocks.0.attn.") for n in names) and "blocks.0.attn.proj" in names
+    assert units["blocks.0.ln1"][1].get("glue_scope") is None and units["blocks.0.ln1"][1]["glue_ops"] == 0
+    # the embeddings' sum is glue at the model's top level, after glue before its first unit
+    assert units["pos"][1]["glue_scope"] == [-1, -1]
+    assert units["blocks.0.attn.attn_drop"][1]["random"] and not qkv["random"]
+    assert qkv["packs"] > 0
+    assert all(u["act_storages"] >= (1 if u["act_bytes"] else 0) for u in p["units"])
+    assert p["rng_state_bytes"] == torch.get_rng_state().untyped_storage().nbytes()
+    _core.validate_profile(json.dumps(p))  # a valid profile
+
+
+def test_executor_costs_are_measured_once_per_device():
+    from cuda_exec.calibrate import executor_costs
+
+    a = executor_costs("cpu")
+    b = executor_costs("cpu")
+    assert a == b  # cached
+    assert a["drop"] > 0 and a["swap"] > 0 and a["segment"] >= 0

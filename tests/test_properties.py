@@ -187,3 +187,47 @@ def test_the_allocation_sequence_simulates_to_the_evaluators_peak(pp, frac, conf
     assert sim["max_reserved"] >= sim["max_allocated"]
     both = tp.evaluate(p, plan, budget, reserved=True, alloc_conf=conf)
     assert both["reserved_bytes"] == sim["max_reserved"] and both["peak_bytes"] == r["peak_bytes"]
+
+
+@st.composite
+def with_host_costs(draw):
+    """A profile and plan with the executor's host costs, per-unit counts and glue scopes, and
+    (for half of them) host times per stage (a GPU profile)."""
+    p, plan = draw(profile_and_plan())
+    n = len(p["units"])
+    cost = st.floats(0.0, 1e-3, allow_nan=False)
+    p["executor"] = {"segment": draw(cost), "drop": draw(cost), "swap": draw(cost), "swap_async": draw(cost),
+                     "inline_bytes": float(draw(st.integers(0, 4096))), "tracked_op": draw(cost)}
+    gpu = draw(st.booleans())
+    for u in p["units"]:
+        u["packs"] = draw(st.integers(0, 6))
+        u["act_storages"] = draw(st.integers(1, 3))
+        u["glue_ops"] = draw(st.integers(0, 4))
+        if draw(st.booleans()):
+            f = draw(st.integers(-1, n - 1))
+            u["glue_scope"] = [-1, -1] if f < 0 else [f, draw(st.integers(f, n - 1))]
+        if gpu:
+            u["fwd_host_time"] = draw(st.floats(0.0, 2 * u["fwd_time"] + 1e-3))
+            u["bwd_host_time"] = draw(st.floats(0.0, 2 * u["bwd_time"] + 1e-3))
+    return p, plan
+
+
+@common
+@given(with_host_costs())
+def test_the_time_identity_holds_with_host_time(pp):
+    p, plan = pp
+    r = tp.evaluate(p, plan, BIG)
+    assert r["host_time"] >= 0
+    assert r["step_time"] == pytest.approx(r["compute_time"] + r["swap_stall"] + r["recompute"] + r["host_time"],
+                                           rel=1e-9, abs=1e-9)
+    # without the executor's costs and host times, the plain model's figures
+    bare = copy.deepcopy(p)
+    del bare["executor"]
+    for u in bare["units"]:
+        u.pop("fwd_host_time", None)
+        u.pop("bwd_host_time", None)
+    b = tp.evaluate(bare, plan, BIG)
+    assert b["host_time"] == 0
+    if all(a == "retain" for a in plan) and "fwd_host_time" not in p["units"][0]:
+        assert r["step_time"] == pytest.approx(b["step_time"], rel=1e-12, abs=1e-12)
+    assert r["step_time"] >= b["step_time"] * (1 - 1e-12) - 1e-12

@@ -160,18 +160,24 @@ class CpuBackend:
 
     def offload(self, tensor: torch.Tensor) -> CpuHostHandle:
         """Queue a copy of ``tensor`` (1-D contiguous uint8 on CPU) to a host buffer."""
-        self._check()
-        self.poll()
+        if self._error is not None or self._closed:
+            self._check()
+        if self._done:
+            self.poll()
         if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError("CpuBackend.offload expects a contiguous 1-D uint8 CPU tensor")
         n = tensor.numel()
         if n <= self.inline_bytes:
-            h = CpuHostHandle(n, self._take_buffer(n), None, threaded=False)
+            with self._lock:
+                free = self._pool.get(n)
+                buf = free.pop() if free else None
+            h = CpuHostHandle(n, buf if buf is not None else self._new_buffer(n), None, threaded=False)
             np.copyto(h.buf, tensor.numpy())  # the copy completes here: the caller's bytes are free to go
             with self._lock:
                 self._live[id(h)] = h
-                self._counters["offloads"] += 1
-                self._counters["offload_bytes"] += n
+                c = self._counters
+                c["offloads"] += 1
+                c["offload_bytes"] += n
             return h
         h = CpuHostHandle(n, self._take_buffer(n), tensor)
         with self._lock:
@@ -225,8 +231,10 @@ class CpuBackend:
 
     def prefetch(self, handle: CpuHostHandle) -> None:
         """Allocate the device bytes now (torch's allocator counts them) and queue the copy back."""
-        self._check()
-        self.poll()
+        if self._error is not None or self._closed:
+            self._check()
+        if self._done:
+            self.poll()
         h = handle
         if h.released:
             raise RuntimeError("prefetch of a released host handle")
@@ -254,10 +262,19 @@ class CpuBackend:
     def fetch(self, handle: CpuHostHandle) -> torch.Tensor:
         """The device bytes: the still-alive source if its offload has not finished (the offload is
         then cancelled if it has not started), else the prefetched copy, waiting for it if late."""
-        self._check()
+        if self._error is not None or self._closed:
+            self._check()
         h = handle
         if h.released:
             raise RuntimeError("fetch of a released host handle")
+        if h.offload_done is _ALWAYS:  # copies run here: nothing to wait for
+            if h.device_tensor is None:
+                self.prefetch(h)
+            out = h.device_tensor
+            h.device_tensor = None
+            if out is None:
+                raise RuntimeError("the copy back of this tensor was already fetched: fetch at most once")
+            return out
         while True:
             with self._lock:  # against the copy thread, which reads and lets go under it
                 src = h.source
@@ -298,6 +315,14 @@ class CpuBackend:
     def release(self, handle: CpuHostHandle) -> None:
         """Return the host buffer to the pool (after any copy still queued for it)."""
         h = handle
+        if h.copy_idle is _ALWAYS:  # copies run on the caller's thread: none is running
+            with self._lock:
+                if not h.released:
+                    h.released = True
+                    h.cancelled = True
+                    h.device_tensor = None
+                    self._give_back(h)
+            return
         while True:
             self._wait_copy_idle(h)
             with self._lock:

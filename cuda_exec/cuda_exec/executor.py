@@ -3,48 +3,68 @@
 ``PlannedModule(model, plan, backend=...)`` is an ``nn.Module`` that shares ``model``'s parameters
 and runs each training forward under the plan; the user's own loop, loss and optimizer are
 unchanged, for any number of steps. In eval mode or with gradients disabled it simply runs the
-model.
+model. docs/cost-model.md is the contract: the executor does what the cost model charges for.
 
-How a step runs (docs/cost-model.md is the contract):
+The files, in the order a step meets them
+-----------------------------------------
+* ``learn.py``: the **learning step**, the executor's first step (and the first after the
+  inputs' shapes change): a full step under the unit tracker (units.py), which cuts the forward
+  into units, says which unit owns every tensor autograd saves, records the glue between units
+  and every module call, and applies the plan's actions on the way (below). It leaves a table of
+  what happened, per saved tensor in order.
+* ``program.py``: the table made into what a **steady step** runs: the module calls it hooks and
+  what happens at each, and an action per saved tensor.
+* ``steady.py``: the steady step. A forward pre-hook on the modules that need one, installed
+  once; the saved-tensor hooks on only in the spans that move or drop something; per saved tensor
+  a table lookup and the action. No Python per torch op, no per-unit bookkeeping: an all-retain
+  plan runs the plain model.
+* ``segment_frame.py``: a checkpoint segment's replay from its module calls (below);
+  ``recorded_replay.py``: the replay of what the tracker recorded (the learning step; tracked
+  segments).
+* ``step_state.py``: what one step owns (swap entries, handles, stage boundaries, abort);
+  ``cpu_backend.py`` / ``cuda_backend.py``: the host tier and its copies.
 
-* The forward runs inside a :class:`~cuda_exec.units.UnitTracker`, which cuts it into units and
-  says which unit owns every tensor autograd saves (units.py). The owner's action applies:
+The actions
+-----------
+* **retain**: autograd keeps the tensor, as without a plan.
+* **swap**: the tensor's whole storage is copied to the host through the backend (once per
+  storage, however many views or units save it), queued at the end of the segment that saved it;
+  autograd keeps a small handle. The device bytes are freed when the copy has run and the forward
+  no longer uses them. The copy back is issued at the start of the backward stage the plan's
+  ``prefetch`` names; the unpack waits only if it is late (or issues it if no stage did). If the
+  offload has not run when the tensor is needed, the still-alive device tensor is used.
+  ``swap_deadlines`` are kept at stage boundaries (CPU: the host waits; CUDA: the compute stream).
+* **recompute**: the tensor is dropped at pack time. Consecutive recomputed units form
+  **checkpoint segments** (split before the plan's ``segment_starts``), replayed as
+  ``torch.utils.checkpoint`` replays its region: once, as a whole, when the backward first needs
+  one of their tensors, under saved-tensor hooks that hand each regenerated tensor to its handle;
+  the generators' state (kept at the segment's start, only when its forward drew random numbers),
+  autocast state and grad mode of the forward are restored, and the buffers the segment writes
+  (BatchNorm running statistics) are put back bit for bit. What a segment reads from its own units
+  is regenerated; what it reads from elsewhere is held from the forward (a private copy when the
+  forward writes into it later) or brought back from the host when its owner swaps it; a tensor it
+  saves of another segment's unit is saved again by its own replay from the held input. Each
+  regenerated tensor is freed after its last backward reader.
 
-  - **retain**: autograd keeps the tensor, as without a plan.
-  - **swap**: at pack time the tensor's whole storage is queued for a device-to-host copy through
-    the backend (once per storage, however many views or units save it); autograd keeps a small
-    handle. The device bytes are freed when the copy has run and the forward no longer uses them.
-    At the start of the backward stage the plan's ``prefetch`` names, the copy back is issued;
-    the tensor's unpack waits only if that copy is late (or issues it if no stage did). If the
-    offload has not even run when the tensor is needed, the still-alive device tensor is used.
-  - **recompute**: the tensor is dropped at pack time (autograd keeps a handle). When the backward
-    first needs one of the unit's tensors, the unit's segment (its module call plus the glue after
-    it) is replayed under ``enable_grad`` with saved-tensor hooks that capture the regenerated
-    tensors, like non-reentrant checkpointing: the CPU (and CUDA) RNG state, autocast state and
-    grad mode of the original forward are restored, the unit's buffers (BatchNorm running
-    statistics) are put back bit for bit afterwards. Its inputs are obtained through their own
-    owners' actions (retained, fetched from the host, or replayed first: chained recomputation,
-    also through a saved glue value of a unit whose module output is not saved, such as the
-    softmax output an attention dropout reads); inputs nobody saves are held from the forward
-    (``held_input_bytes``), with a private copy when the unit or later code writes into them in
-    place.
+  A steady step replays an **aligned** segment, one whose glue lies in module calls inside it
+  (``units.UnitTracker.glue_scopes``), by calling those module calls again (its *top calls*: a
+  block, or a chain of leaf modules) on the arguments the forward passed; a segment that is not
+  aligned (glue of its units outside its module calls, such as an attention's functional ops when
+  only a projection is recomputed) is **tracked**: a TorchFunctionMode records its glue in every
+  step, and the replay runs the recording. The cost model charges each (docs/cost-model.md, "Host
+  time"). Zero-length profiler ranges ``tensorplace::R<unit>`` / ``tensorplace::r<unit>``
+  (``MARK_PREFIX``) mark replays when torch.profiler runs.
 
-    Consecutive recomputed units form **checkpoint segments** (split before the plan's
-    ``segment_starts``), which behave as ``torch.utils.checkpoint``: a value a unit reads from an
-    earlier unit of its own segment is regenerated by replaying that unit (never held), what it
-    reads from another segment's recomputed unit is held from the forward, and a tensor a unit
-    saves of another segment's recomputed unit is handed back by the unit's own replay (which
-    saves it again from the held input), so a segment is replayed once. A replay lets go of every value of the segment right after its last use in the
-    segment, keeping only the regenerated saved tensors and the values later replays read (so it
-    holds no more than the original forward did). Held inputs and the saved RNG state are
-    released after the replay. Zero-length profiler ranges ``tensorplace::R<unit>`` /
-    ``tensorplace::r<unit>`` mark every replay (``MARK_PREFIX``) when torch.profiler runs.
-
-* Every moved or dropped tensor is freed, like any saved tensor, after the last backward node
-  that reads it has run (its handle dies with the node's saved variables). A dropped tensor that
-  the forward's own code still references (a local variable of an enclosing module) stays on the
-  device until the forward lets go of it; ``StepStats.dropped_alive`` reports those bytes per
-  unit and stage boundary (the profiler turns them into ``lingering_bytes``).
+Checks and failures
+-------------------
+* Every hooked module call of a steady step is checked against the learned sequence, and every
+  span's number of saved tensors where it ends: a mismatch raises :class:`PlanMismatchError`,
+  aborts the step, removes the hooks; the next step learns again. New input shapes relearn (one
+  full step, with a warning the first time). An aligned replay runs the module's Python again,
+  as torch's checkpoint does, and its saved tensors are matched by order and checked by count.
+* A dropped tensor that the forward's own code still references stays on the device until the
+  forward lets go of it (``StepStats.dropped_alive`` in the learning step; the profiler makes
+  ``lingering_bytes`` of it).
 * Verify mode (``verify=True`` or ``TENSORPLACE_VERIFY=1``) checksums every swapped or dropped
   tensor at pack time and checks it at unpack (verify.py).
 * An exception (or KeyboardInterrupt) in the forward, or in one of the executor's backward hooks,
@@ -52,49 +72,8 @@ How a step runs (docs/cost-model.md is the contract):
   A backward that fails elsewhere (PyTorch then keeps the rest of the graph alive) is aborted by
   the next forward of any executor on the same model, or by ``close()``, which also aborts a
   step whose backward never ran (that graph's backward then raises ``StepAbortedError``).
-
-The lean path (issue 6: the executor was host-bound, ~430-550 us per unit on this CPU)
-------------------------------------------------------------------------------------------
-The step above (the *full* step) runs the whole ownership analysis: module hooks registered per
-step, a TorchFunctionMode on every torch call, storage/version bookkeeping at every pack. In a
-steady step only the owner's action of each saved tensor matters, and that is a function of the
-step's order; only a recomputed unit's segment needs recording (its replay re-runs it). So:
-
-* **Learn once.** The executor's first step is a full step that also records a table
-  (:class:`_Table`): the sequence of unit-module calls and, per pack of the step in order, its
-  owner, what the pack returned (retained, swapped, dropped for a replay) and the first pack of
-  the same storage version (a storage saved several times, or through views, is copied once).
-* **Install once, arm per step.** After that step one forward pre-hook per unit module is
-  installed (it holds no reference to the executor; ``close()``, a failed step, or the executor's
-  garbage collection remove it). A steady step arms a small frame (:class:`_LeanStep`); outside a
-  step the hooks return at once. There is no TorchFunctionMode (no Python per torch op) outside
-  recomputed units' segments, and an all-retain plan installs no saved-tensor hooks at all.
-* **Per pack** (only in segments that save a swapped or dropped tensor): a counter, a table lookup, ``return tensor`` if the owner
-  retains; for a swap one ``backend.offload`` (one copy and one completion event per storage)
-  and a handle; a later pack of the same storage is checked to be that storage version (weak
-  storage reference and version counter) and shares the copy.
-* **Checks that turn a different order into an error, never into wrong tensors.** Each unit
-  start checks the module against the table and the number of packs made so far; the end of the
-  forward checks both totals; dedupe is checked by identity. A mismatch raises
-  :class:`PlanMismatchError`, aborts the step, removes the hooks; the next step learns again.
-  A different batch size is fine (views are rebuilt from each step's own metadata).
-* **Stage boundaries** do work only where the plan needs it (a swap-out may have completed, a
-  swap deadline, a prefetch stage's gradient hook on the unit's inputs).
-* **Swap deadlines** call ``backend.release_offload``: on CUDA the compute stream waits for the
-  copy's event (``cudaStreamWaitEvent``) and the source is dropped, the host does not block; the
-  CPU backend (no streams) waits on the host, counted in ``StepStats.deadline_wait_s`` /
-  ``deadline_waits``. The full step uses the same call.
-* **Recomputed units** (:class:`_ScopedTracker`): from a recomputed unit's start to the end of
-  its segment (the next unit's start, where a run of recomputed units continues it) a tracker is
-  on, as in the full step: the TorchFunctionMode records the segment's glue for its replay, packs
-  are owned and dropped, inputs get their slots. Nothing is tracked elsewhere, so the tracker
-  does not know the tensors made outside those segments: the table says, by order, what each one
-  a tracked segment reads is (its owner and whether it was saved then, or a constant), which
-  held inputs ended protected by a copy (so a later in-place write outside the tracked segments
-  finds them copied), and which packs outside them are values of a recomputed unit (dropped:
-  looked up in the tracker's values). Every tracked pack is checked against the table, and so is
-  the number of outside tensors each tracked segment read.
 """
+
 
 from __future__ import annotations
 
@@ -110,8 +89,7 @@ from torch import nn
 
 from .errors import PlanMismatchError, ReplayError, StepAbortedError, StepStats
 from .learn import SWAP, _PlanTracker, _Table
-from .plan_io import (ACTIONS, PLAN_VERSION, PlanLike,  # noqa: F401 - PLAN_VERSION re-exported
-                      _action_name, plan_mapping, read_plan, read_segment_starts,
+from .plan_io import (ACTIONS, PLAN_VERSION, PlanLike, _action_name, plan_mapping, read_plan, read_segment_starts,
                       read_state_swaps, read_swap_deadlines, run_starts)
 from .recorded_replay import _InputSlot
 from .state_swap import StateSwapper
@@ -123,6 +101,7 @@ from .verify import verify_from_env
 
 __all__ = [
     "ACTIONS",
+    "PLAN_VERSION",
     "PlanMismatchError",
     "StepAbortedError",
     "ReplayError",
@@ -203,6 +182,8 @@ class Executor:
         #: what the steady steps run (program.py), and the inputs' shapes it was learned on
         self._program: Optional[Program] = None
         self._signature: Any = None
+        #: the programs learned for other input shapes (the most recent MAX_PROGRAMS)
+        self._programs: Dict[Any, Program] = {}
         #: replay checkpoint segments from their module calls where they allow it (False: every
         #: recomputed segment is tracked and replays what it recorded)
         self.aligned = os.environ.get("TENSORPLACE_ALIGNED", "1") != "0"
@@ -243,8 +224,13 @@ class Executor:
             signature = _signature(args, kwargs) if self.lean else None
             if signature == self._signature:
                 return self._steady_forward(program, args, kwargs)
+            known = self._programs.get(signature)
+            self._remove_hooks()
+            if known is not None:  # shapes learned before (bucketed lengths): its program again
+                self._use(known, signature)
+                return self._steady_forward(known, args, kwargs)
             self._note_relearn(signature)
-            self._uninstall()
+            self._program = self._table = self._signature = None
         state = _StepState(self)
         self._states.add(state)
         self.last_stats = state.stats
@@ -275,11 +261,19 @@ class Executor:
             state.abort()
             raise
         if program is not None:
-            self._program = program
-            self._table = program.table
-            self._signature = _signature(args, kwargs)
-            self._install(program)
+            signature = _signature(args, kwargs)
+            self._programs[signature] = program
+            while len(self._programs) > MAX_PROGRAMS:  # the least recently learned goes
+                self._programs.pop(next(iter(self._programs)))
+            self._use(program, signature)
         return out
+
+    def _use(self, program: Program, signature: Any) -> None:
+        """Run ``program`` from the next step on, for inputs of ``signature``."""
+        self._program = program
+        self._table = program.table
+        self._signature = signature
+        self._install(program)
 
     # ------------------------------------------------------------------ the steady steps
 
@@ -309,8 +303,8 @@ class Executor:
                              aligned=self.aligned)
 
     def _note_relearn(self, signature: Any) -> None:
-        """The inputs' shapes (or the model's structure) changed since the learning step: the
-        next step learns again (a full step, slower), once per new shape."""
+        """The inputs' shapes changed to ones not learned yet: this step learns them (a full step,
+        slower), once per new shape (the last ``MAX_PROGRAMS`` are kept)."""
         self.relearned += 1
         if self.relearned == 1:
             warnings.warn(
@@ -342,10 +336,15 @@ class Executor:
         self._hooks_finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
 
     def _uninstall(self) -> None:
-        self._cell[0] = None
+        """Forget every learned step and remove the hooks (a failed step, ``close()``)."""
         self._table = None
         self._program = None
         self._signature = None
+        self._programs.clear()
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        self._cell[0] = None
         if self._hooks_finalizer is not None:
             self._hooks_finalizer.detach()
             self._hooks_finalizer = None
@@ -404,6 +403,10 @@ class Executor:
         if self._own_backend and self._backend is not None:
             self._backend.close()
             self._backend = None
+
+
+#: learned steps kept per executor, one per input signature (a few bucketed lengths)
+MAX_PROGRAMS = 8
 
 
 def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
