@@ -26,7 +26,6 @@ table of packs (learn._Table). :func:`build_program` turns that into a :class:`P
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -154,19 +153,13 @@ def _runs(actions: Sequence[str], run_start: Sequence[int]) -> List[Tuple[int, i
 class _Aligner:
     """Decides, for each checkpoint segment, whether its replay can call its modules again."""
 
-    def __init__(self, table: _Table, tracker: UnitTracker, actions: Sequence[str], run_start: Sequence[int]) -> None:
+    def __init__(self, table: _Table, tracker: UnitTracker) -> None:
         self.t = table
         self.tr = tracker
         self.segs = tracker.segments
         self.n = len(tracker.segments)
-        self.end_event = tracker.events
         self.random = [bool(r.random) for r in tracker.records]
         self.scopes = tracker.glue_scopes()
-        self.actions = actions
-        self.run_start = run_start
-        glue = sorted((call.event, call.produced) for seg in self.segs for call in seg.calls if call.event >= 0)
-        self.glue_events = [e for e, _ in glue]
-        self.glue_produced = [p for _, p in glue]
         # the unit of each pack
         self.pack_unit: List[int] = []
         u = -1
@@ -174,13 +167,6 @@ class _Aligner:
             while u + 1 < len(table.pack_start) and table.pack_start[u + 1] <= k:
                 u += 1
             self.pack_unit.append(u)
-
-    def _unit_event(self, u: int) -> int:
-        return self.t.calls[self.t.unit_call[u]].enter if u < self.n else self.end_event
-
-    def _glue_between(self, a: int, b: int) -> range:
-        """Indexes (into glue_events) of the glue calls with event in [a, b)."""
-        return range(bisect.bisect_left(self.glue_events, a), bisect.bisect_left(self.glue_events, b))
 
     def top_calls(self, first: int, last: int) -> List[int]:
         """The outermost module calls whose units are all in first..last and that run no glue
@@ -221,9 +207,8 @@ class _Aligner:
                 if v is not None and v.owner in in_run:
                     out_pos.setdefault(v, (i, p))
         keep: List[Set[int]] = [set() for _ in recs]
-        # the values its replay must regenerate outside the top calls' own packs: values of its
-        # units dropped by packs anywhere, and packs in its span outside the top calls
-        needed: Set[ValueRec] = set()
+        # the values its replay hands to packs outside the top calls' own: values of its units
+        # dropped by packs anywhere, and packs in its span after its last top call
         for k, a in enumerate(t.acts):
             if a not in (REPLAY_VALUE, REPLAY_SLOT):
                 continue
@@ -238,7 +223,6 @@ class _Aligner:
             if inside_span or (a == REPLAY_VALUE and v.owner in in_run):
                 if v not in out_pos:
                     return None  # a value no top call returns: only the glue that made it has it
-                needed.add(v)
                 i, p = out_pos[v]
                 keep[i].add(p)
         # the top calls' arguments
@@ -254,7 +238,6 @@ class _Aligner:
                     pos = out_pos.get(v)
                     if pos is None or pos[0] >= i:
                         return None
-                    needed.add(v)
                     keep[pos[0]].add(pos[1])
                     args.append(ArgKind(ARG_REGEN, call=pos[0], pos=pos[1]))
                     continue
@@ -274,14 +257,6 @@ class _Aligner:
                 if kind is not None:
                     kind.written = rec.arg_written[leaf]
             calls.append(TopCall(rec.module, args, [], rec.pack_exit - rec.pack_enter, rec.simple))
-        # no glue outside the top calls makes a value the replay needs
-        lo, hi = self._unit_event(first), self._unit_event(last + 1)
-        for j in self._glue_between(lo, hi):
-            e = self.glue_events[j]
-            if any(r.enter < e < r.exit for r in recs):
-                continue
-            if any(v in needed for v in self.glue_produced[j]):
-                return None
         # every tensor its units read from outside their top call comes in as an argument of it
         for u in in_run:
             seg = self.segs[u]
@@ -322,7 +297,7 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
     n = len(table.pack_start)
     runs = _runs(actions[:n], run_start)
     table.calls, table.unit_call = tracker.calls, tracker.unit_call
-    aligner = _Aligner(table, tracker, actions, run_start)
+    aligner = _Aligner(table, tracker)
     seg_list: List[AlignedSegment] = []
     seg_of_unit = [-1] * n
     tracked = [False] * n

@@ -546,17 +546,19 @@ class UnitTracker:
             if _is_plain(t)
         }
         try:
-            if self.record_calls:  # before the unit hooks (prepend), after the model inputs' (below)
-                for module in self.model.modules():
+            if self.record_calls:  # a call starts before the unit hooks (prepend) see it, after the
+                for module in self.model.modules():  # model inputs' hook (below) registered them
                     self._handles.append(module.register_forward_pre_hook(self._call_start, with_kwargs=True,
                                                                           prepend=True))
-                    self._handles.append(module.register_forward_hook(self._call_end))
             self._handles.append(
                 self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True, prepend=True)
             )
             for module in self.unit_modules:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+            if self.record_calls:  # a call ends after the unit hooks registered its outputs
+                for module in self.model.modules():
+                    self._handles.append(module.register_forward_hook(self._call_end))
             self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
             self._hooks_ctx.__enter__()
             self._mode = _GlueMode(self)
@@ -738,6 +740,8 @@ class UnitTracker:
         if not self._active or is_replaying():
             return
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             leaves, _ = pytree.tree_flatten((args, kwargs))
             counted: Set[int] = set()
@@ -750,6 +754,7 @@ class UnitTracker:
                         counted.add(val.storage_id)
                         self.model_input_bytes += val.nbytes
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _pre_hook(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -759,6 +764,8 @@ class UnitTracker:
             self._depth += 1
             return
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             index = len(self.segments)
             if self.record_calls and self._call_stack:
@@ -767,12 +774,15 @@ class UnitTracker:
                 self.unit_call.append(c)
             self._open_unit(index, module, args, kwargs)
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _call_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if not self._active or is_replaying():
             return
         self._busy += 1  # its own torch calls are not glue
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             leaves = pytree.tree_leaves((args, kwargs))
             rec = CallRecord(module, self._call_stack[-1] if self._call_stack else -1, self.events,
@@ -791,12 +801,15 @@ class UnitTracker:
             self._call_stack.append(len(self.calls))
             self.calls.append(rec)
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _call_end(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
         if not self._active or is_replaying() or not self._call_stack:
             return
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             rec = self.calls[self._call_stack.pop()]
             leaves = self._call_args.pop()
@@ -817,6 +830,7 @@ class UnitTracker:
                                        if b.shape != before.shape or not torch.equal(b, before)]
             rec.buffers = []
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _unit_event(self, u: int) -> int:
@@ -939,6 +953,8 @@ class UnitTracker:
             self._depth -= 1
             return
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             index, in_tensors = self._frames.pop()
             seg = self.segments[index]
@@ -969,12 +985,15 @@ class UnitTracker:
             self._last = index
             self.on_unit_end(index, module, output)
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _glue_call(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         unit = self._last
         seg = self.segments[unit] if unit >= 0 else None
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             leaves, spec = pytree.tree_flatten((args, kwargs))
             tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -994,9 +1013,12 @@ class UnitTracker:
             versions = [leaves[i]._version for i in tensor_pos]
             grad_enabled = torch.is_grad_enabled()
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
         out = func(*args, **kwargs)
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             out_leaves, _ = pytree.tree_flatten(out)
             has_tensor_out = any(isinstance(x, torch.Tensor) for x in out_leaves)
@@ -1033,6 +1055,7 @@ class UnitTracker:
             self.events += 1
             return out
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _pack_owner(self, reader: int) -> int:
@@ -1044,6 +1067,8 @@ class UnitTracker:
             return t
         self.pack_count += 1
         self._busy += 1
+        no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
+        no_modes.__enter__()
         try:
             reader = self.segment_unit
             seg = self.segments[reader] if reader >= 0 else None
@@ -1080,6 +1105,7 @@ class UnitTracker:
                 self.on_value_saved(val, t, info)
             return self.on_pack(t, info)
         finally:
+            no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _unpack_hook(self, packed: Any) -> torch.Tensor:

@@ -110,6 +110,11 @@ fn profile_graph(profile_json: &str) -> PyResult<String> {
         "inputs": g.inputs, "replay_inputs": g.replay_inputs, "replay_extra": g.replay_extra,
         "linger": g.linger, "linger_until": g.linger_until, "last_fwd": g.last_fwd,
         "first_need": g.first_need, "last_use": g.last_use, "needs": g.needs,
+        "packs": g.packs, "act_storages": g.act_storages, "glue_ops": g.glue_ops,
+        "glue_scope": g.glue_scope.iter().map(|s| s.map(|(f, l)| if f == usize::MAX { (-1i64, -1i64) } else { (f as i64, l as i64) })).collect::<Vec<_>>(),
+        "costs": {"segment": g.costs.segment, "drop": g.costs.drop, "swap": g.costs.swap,
+                  "swap_async": g.costs.swap_async.unwrap_or(g.costs.swap), "inline_bytes": g.costs.inline_bytes,
+                  "tracked_op": g.costs.tracked_op},
     })
     .to_string())
 }

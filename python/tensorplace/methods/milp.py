@@ -93,6 +93,12 @@ class _Graph:
     last_use: List[Optional[int]]  # stage index of the last backward reader
     needs: List[List[int]]  # per unit i: the units whose activations B(i) reads, largest first
     readers: List[List[int]]  # per unit: the units whose backward reads its activations
+    # the executor's host costs (docs/cost-model.md, "Host time"), added to the objective
+    swap_host: List[float] = field(default_factory=list)  # per unit, when swapped
+    drop_host: List[float] = field(default_factory=list)  # per unit, when recomputed
+    tracked_host: List[float] = field(default_factory=list)  # per unit, when its segment is tracked
+    glue_scope: List[Optional[Tuple[int, int]]] = field(default_factory=list)
+    segment_host: float = 0.0  # per replayed segment
 
 
 def _graph(profile_text: str) -> _Graph:
@@ -133,7 +139,27 @@ def _graph(profile_text: str) -> _Graph:
         last_use=[None if r is None else S - 1 - int(r) for r in d["last_use"]],
         needs=[list(map(int, v)) for v in d["needs"]],
         readers=readers,
+        **_host_costs(d, n),
     )
+
+
+def _host_costs(d: Dict[str, Any], n: int) -> Dict[str, Any]:
+    """The executor's host seconds per unit and action (the evaluator's additive rule: a profile
+    with host times per stage, a GPU's, is scored by the evaluator, which knows its clock)."""
+    c = d.get("costs") or {}
+    act = [int(b) for b in d["act"]]
+    storages = [float(v) for v in d.get("act_storages", [1.0] * n)]
+    packs = [float(v) for v in d.get("packs", [0.0] * n)]
+    glue = [float(v) for v in d.get("glue_ops", [0.0] * n)]
+    swap = []
+    for u in range(n):
+        per = act[u] / max(storages[u], 1.0)
+        cost = c.get("swap_async", 0.0) if per > c.get("inline_bytes", 0.0) else c.get("swap", 0.0)
+        swap.append(cost * storages[u])
+    scope = [None if s is None else (int(s[0]), int(s[1])) for s in d.get("glue_scope", [None] * n)]
+    return {"swap_host": swap, "drop_host": [c.get("drop", 0.0) * p for p in packs],
+            "tracked_host": [c.get("tracked_op", 0.0) * k for k in glue], "glue_scope": scope,
+            "segment_host": float(c.get("segment", 0.0))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,6 +291,16 @@ def _simulate_segment(g: _Graph, s: int, e: int, rec: Set[int]) -> _Segment:
             state -= held_now.pop(i, 0) + saved_now.pop(i, 0)
     extra = {k: p - steady[k] for k, p in peaks.items() if p > steady[k]}
     return _Segment(s, e, {}, replay_at, time, steady, extra, swap_inputs)
+
+
+def _segment_host(g: _Graph, s: int, e: int) -> float:
+    """The executor's host time for the segment s..e (replayed; tracked when a unit's glue lies
+    outside it): the evaluator's rule."""
+    if not g.drop_host:
+        return 0.0
+    tracked = any(sc is not None and (sc[0] < s or sc[1] > e or sc[0] < 0) for sc in g.glue_scope[s:e + 1])
+    return (g.segment_host + sum(g.drop_host[s:e + 1])
+            + (sum(g.tracked_host[s:e + 1]) if tracked else 0.0))
 
 
 def _segment_key(seg: _Segment) -> Any:
@@ -438,7 +474,9 @@ def build(
     tu = max(float(dur.sum() / S), float(np.mean(copies)) if copies else 0.0)
     tu = tu if tu > 0 else 1.0
     mu = max(float(budget), 1.0) / 1e4
-    g = replace(g, fwd=[t / tu for t in g.fwd], bwd=[t / tu for t in g.bwd], d2h=g.d2h * tu, h2d=g.h2d * tu)
+    g = replace(g, fwd=[t / tu for t in g.fwd], bwd=[t / tu for t in g.bwd], d2h=g.d2h * tu, h2d=g.h2d * tu,
+                swap_host=[t / tu for t in g.swap_host], drop_host=[t / tu for t in g.drop_host],
+                tracked_host=[t / tu for t in g.tracked_host], segment_host=g.segment_host / tu)
     dur = dur / tu
     # Memory that no action changes, per stage (what every plan has on the device then).
     base = np.full(S, float(g.constant))
@@ -468,7 +506,7 @@ def build(
         if not can_swap and not allow_recompute:
             continue
         r = m.col(integer=True)
-        w = m.col(integer=True) if can_swap else None
+        w = m.col(integer=True, cost=g.swap_host[u] if g.swap_host else 0.0) if can_swap else None
         c = m.col(integer=True) if allow_recompute else None
         U[u] = _Unit(r=r, w=w, c=c)
         one = {r: 1.0}
@@ -567,7 +605,7 @@ def build(
                 continue
             variants, products = found
             for seg in variants:
-                x = m.col(integer=True, cost=sum(seg.time.values()))
+                x = m.col(integer=True, cost=sum(seg.time.values()) + _segment_host(g, s, e))
                 segs.cols[x] = seg
                 for u in range(s, e + 1):
                     segs.covering.setdefault(u, []).append(x)
