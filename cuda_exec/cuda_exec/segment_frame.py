@@ -74,10 +74,13 @@ def unpack(packed: Any) -> torch.Tensor:
     """The steady steps' unpack hook: a regenerated tensor straight from its holder (the
     replay that filled it went through :func:`step_state._unpack_handle`, which also notes that
     the step's backward runs); anything else as the executor's other steps unpack it."""
-    if packed.__class__ is Holder:
+    cls = packed.__class__
+    if cls is Holder:
         t = packed.t
         if t is not None and packed.digest is None:
             return t
+    elif cls is torch.Tensor or cls is torch.nn.Parameter:  # retained (weights in a span with hooks)
+        return packed
     return _unpack_handle(packed)
 
 
