@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tensorplace as tp
-from tensorplace import api
+from tensorplace import _core, api
 
 SEARCH = dict(particles=24, iterations=10, threads=1, restarts=0, relinks=0)
 
@@ -41,7 +41,7 @@ def test_a_reserved_budget_holds_in_simulated_reserved_memory(resnet, tmp_path):
     allocated = tp.plan_profile(resnet, budget, **SEARCH)
     assert allocated.predicted["reserved_bytes"] > budget  # so the reserved budget has work to do
     try:
-        plan = tp.plan_profile(resnet, budget, budget_kind="reserved", **SEARCH)
+        plan = tp.plan_profile(resnet, budget, budget_kind="reserved", reserved_rounds=4, **SEARCH)
     except tp.BudgetError as e:
         assert e.args[1] > budget and str(e.args[1]) in e.args[0]
         return
@@ -49,17 +49,54 @@ def test_a_reserved_budget_holds_in_simulated_reserved_memory(resnet, tmp_path):
     assert plan.budget_bytes < budget and plan.predicted["peak_bytes"] <= plan.budget_bytes
     r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True)
     assert r["reserved_bytes"] == plan.predicted["reserved_bytes"] <= budget
-    rounds = plan.settings["reserved_search"]["rounds"]
-    assert rounds[-1]["reserved_bytes"] == r["reserved_bytes"] and rounds[0]["allocated_budget"] == budget
+    search = plan.settings["reserved_search"]
+    rounds = search["rounds"]
+    assert rounds[0]["allocated_budget"] == budget and not search["fallback"]
+    chosen = rounds[search["chosen"]]
+    assert chosen["reserved_bytes"] == r["reserved_bytes"] and chosen["allocated_budget"] == plan.budget_bytes
+    # The fastest plan that fits of all searched.
+    assert all(plan.predicted["step_time"] <= x["step_time"] for x in rounds if x["fits"])
     # Saved and loaded; replan keeps the kind unless told otherwise.
     plan.save(tmp_path / "p.json")
     back = tp.Plan.load(tmp_path / "p.json")
     assert back == plan and back.budget_kind == "reserved"
     data = plan.to_dict()
     data["profile"] = resnet
-    again = tp.Plan(data).replan(budget, **SEARCH)
+    again = tp.Plan(data).replan(budget, reserved_rounds=4, **SEARCH)
     assert again.budget_kind == "reserved" and again.predicted["reserved_bytes"] <= budget
     assert tp.Plan(data).replan(budget, budget_kind="allocated", **SEARCH).budget_kind == "allocated"
+
+
+def test_the_search_beats_the_fallback_the_tightening_loop_took(resnet):
+    """At 17.5% of the way from the lower bound to the unplanned peak, the loop that tightened the
+    allocated budget by the overshoot went below the lower bound after one search (the plan at the
+    budget itself reserved 1,281 MB against 944 MB) and fell back to swap-all (470.7 ms); plans
+    at allocated budgets in between fit, and are faster."""
+    lb, up = tp.lower_bound(resnet), tp.unplanned_peak(resnet)
+    budget = lb + (up - lb) * 7 // 40
+    plan = tp.plan_profile(resnet, budget, budget_kind="reserved", **SEARCH)
+    r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True)
+    assert r["reserved_bytes"] == plan.predicted["reserved_bytes"] <= budget
+    assert plan.method == "pso" and not plan.settings["reserved_search"]["fallback"]
+    # The old fallback: the plan that needs the least allocated memory, at that budget.
+    smallest, actions = _core.smallest_known_budget(json.dumps(resnet))
+    fallback = tp.evaluate(resnet, actions, smallest, reserved=True)
+    assert fallback["reserved_bytes"] <= budget  # it fitted, so the old loop returned it
+    assert plan.predicted["step_time"] <= fallback["step_time"]
+    searched = [x for x in plan.settings["reserved_search"]["rounds"] if x["method"] == "pso"]
+    assert 2 <= len(searched) <= 8 and searched[0]["allocated_budget"] == budget and not searched[0]["fits"]
+
+
+def test_only_when_no_searched_plan_fits_the_fallback_is_taken_and_said(resnet):
+    # Between the smallest reserved peak of the fallback and of any searched plan: one search.
+    smallest, actions = _core.smallest_known_budget(json.dumps(resnet))
+    fallback = tp.evaluate(resnet, actions, smallest, reserved=True)
+    plan = tp.plan_profile(resnet, fallback["reserved_bytes"], budget_kind="reserved", reserved_rounds=1, **SEARCH)
+    search = plan.settings["reserved_search"]
+    assert search["fallback"] and plan.method in ("swap-all", "recompute-all")
+    assert plan.method in search["note"] and "fell back" in plan.summary()
+    assert plan.predicted["reserved_bytes"] <= fallback["reserved_bytes"]
+    assert search["rounds"][search["chosen"]]["method"] == plan.method
 
 
 def test_a_reserved_budget_no_plan_meets_names_the_smallest_found(resnet):

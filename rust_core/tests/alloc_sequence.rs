@@ -220,7 +220,7 @@ fn a_search_without_the_sequence_is_unchanged() {
 
 fn small_search() -> PlanSettings {
     PlanSettings {
-        pso: PsoSettings { particles: 24, iterations: 12, threads: 1, ..PsoSettings::default() },
+        pso: PsoSettings { particles: 24, iterations: 12, threads: 1, restarts: 0, relinks: 0, ..PsoSettings::default() },
         ..PlanSettings::default()
     }
 }
@@ -246,6 +246,18 @@ fn a_reserved_budget_is_met_in_simulated_reserved_memory_or_refused_with_what_wo
                 assert!(r <= budget, "{name}: reserved {r} over the budget {budget}");
                 assert_eq!(plan.predicted.reserved_bytes, Some(r));
                 assert!(plan.predicted.feasible && plan.predicted.peak_bytes <= plan.budget_bytes);
+                // The fastest of the searched plans that fit, and the rounds say which.
+                let search = &plan.settings["reserved_search"];
+                let rounds = search["rounds"].as_array().unwrap();
+                assert!(rounds.len() <= 4 && rounds[0]["allocated_budget"] == budget, "{name}: {search}");
+                let chosen = &rounds[search["chosen"].as_u64().unwrap() as usize];
+                assert_eq!(chosen["allocated_budget"], plan.budget_bytes);
+                assert_eq!(chosen["reserved_bytes"], r);
+                for round in rounds.iter().filter(|x| x["fits"] == true) {
+                    assert!(round["reserved_bytes"].as_u64().unwrap() <= budget);
+                    assert!(plan.predicted.step_time <= round["step_time"].as_f64().unwrap(), "{name}: {search}");
+                }
+                assert_eq!(search["fallback"], false);
             }
             Err(CoreError::NoReservedPlan { smallest_known, .. }) => assert!(smallest_known > budget),
             Err(e) => panic!("{name}: {e}"),
