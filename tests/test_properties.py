@@ -99,7 +99,7 @@ def _with_faster_links(p, factor):
 # Three seeds of 20,000 examples passed before this was set to what a suite can afford; before
 # prefetches ahead of their need were kept from overflowing a later stage (docs/cost-model.md,
 # "Backward stage Bi"), 10 of the 5,041 feasible examples of one such seed failed.
-@settings(common, max_examples=1500, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(common, max_examples=1000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.3, 1.2))
 def test_more_bandwidth_never_makes_a_plan_infeasible_or_slower(pp, factor, frac):
     """Slower only where the slower link left a swap-out in flight that the backward then reused

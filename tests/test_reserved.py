@@ -163,6 +163,17 @@ def test_the_reserved_overhead_message(resnet):
     assert "no reserved-memory prediction" in api.reserved_overhead_message(d3, "cuda")
 
 
+def test_run_says_what_expandable_segments_would_allow(resnet):
+    d = _plan_dict(resnet, budget_kind="reserved", reserved_budget_bytes=_mid(resnet))
+    d["settings"]["reserved_search"] = {"expandable_segments": {
+        "alloc_conf": "expandable_segments:True", "allocated_budget": _mid(resnet),
+        "reserved_bytes": _mid(resnet) - 2**20, "step_time": d["predicted"]["step_time"] * 0.8}}
+    msg = api.reserved_overhead_message(d, "cuda")
+    assert "with expandable segments the plan searched at the whole budget would reserve" in msg
+    assert tp.format_bytes(_mid(resnet) - 2**20) in msg and "20% faster" in msg
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg
+
+
 def test_run_warns_once_per_plan_on_cuda_only(resnet, monkeypatch):
     monkeypatch.setattr(api, "_reserved_warned", set())
     d = _plan_dict(resnet)
