@@ -85,6 +85,17 @@ def test_the_search_beats_the_fallback_the_tightening_loop_took(resnet):
     assert plan.predicted["step_time"] <= fallback["step_time"]
     searched = [x for x in plan.settings["reserved_search"]["rounds"] if x["method"] == "pso"]
     assert 2 <= len(searched) <= 8 and searched[0]["allocated_budget"] == budget and not searched[0]["fits"]
+    # What expandable segments would reserve, for this plan and for a faster plan the search found.
+    note = plan.settings["reserved_search"]["expandable_segments"]
+    r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True,
+                    alloc_conf="expandable_segments:True")
+    assert note["alloc_conf"] == "expandable_segments:True" and note["reserved_bytes"] == r["reserved_bytes"]
+    faster = note["faster"]
+    assert faster["step_time"] < plan.predicted["step_time"] and faster["reserved_bytes"] <= budget
+    over = [x for x in searched if x["allocated_budget"] == faster["allocated_budget"]]
+    assert len(over) == 1 and over[0]["reserved_bytes"] > budget  # over it without them
+    msg = api.reserved_overhead_message(plan.to_dict(), "cuda")
+    assert "faster" in msg and "re-plan under them" in msg
 
 
 def test_only_when_no_searched_plan_fits_the_fallback_is_taken_and_said(resnet):
@@ -164,14 +175,23 @@ def test_the_reserved_overhead_message(resnet):
 
 
 def test_run_says_what_expandable_segments_would_allow(resnet):
+    """Numbers from the plan's settings.reserved_search.expandable_segments (set by the search)."""
     d = _plan_dict(resnet, budget_kind="reserved", reserved_budget_bytes=_mid(resnet))
+    peak = d["predicted"]["peak_bytes"]
     d["settings"]["reserved_search"] = {"expandable_segments": {
-        "alloc_conf": "expandable_segments:True", "allocated_budget": _mid(resnet),
-        "reserved_bytes": _mid(resnet) - 2**20, "step_time": d["predicted"]["step_time"] * 0.8}}
+        "alloc_conf": "expandable_segments:True", "reserved_bytes": peak + 3 * 2**20,
+        "faster": {"allocated_budget": _mid(resnet), "reserved_bytes": _mid(resnet) - 2**20,
+                   "step_time": d["predicted"]["step_time"] * 0.8}}}
     msg = api.reserved_overhead_message(d, "cuda")
-    assert "with expandable segments the plan searched at the whole budget would reserve" in msg
-    assert tp.format_bytes(_mid(resnet) - 2**20) in msg and "20% faster" in msg
+    assert f"with expandable segments it would reserve {tp.format_bytes(peak + 3 * 2**20)}" in msg
+    assert f"{tp.format_bytes(3 * 2**20)} above its allocated peak" in msg
+    assert "20% faster" in msg and tp.format_bytes(_mid(resnet) - 2**20) in msg and "re-plan" in msg
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg
+    # Where they would not reserve less and no faster plan fits with them, run() does not suggest them.
+    d["settings"]["reserved_search"]["expandable_segments"] = {
+        "alloc_conf": "expandable_segments:True", "reserved_bytes": d["predicted"]["reserved_bytes"] + 1}
+    msg = api.reserved_overhead_message(d, "cuda")
+    assert "expandable segments would not reserve less" in msg and "PYTORCH_CUDA_ALLOC_CONF=" not in msg
 
 
 def test_run_warns_once_per_plan_on_cuda_only(resnet, monkeypatch):

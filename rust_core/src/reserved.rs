@@ -103,8 +103,8 @@ pub fn make_plan_reserved(
     let top = budget.min(unplanned_peak(&g)).max(lb);
     let rounds = if FIXED.contains(&method) { 1 } else { rounds };
     let mut tried: Vec<Round> = Vec::new();
-    let mut top_plan: Option<Plan> = None; // the plan searched at the top, when it does not fit
-    let mut best: Option<Plan> = None;
+    let mut found_plans: Vec<Plan> = Vec::new();
+    let mut best: Option<usize> = None; // in found_plans
     // Budgets go up from one whose plan fits or where no plan was found (`low`), and down from
     // one whose plan is over the budget (`over`: the budget and that plan's reserved peak).
     let mut low: Option<u64> = None;
@@ -113,11 +113,11 @@ pub fn make_plan_reserved(
     // Below the lower bound no plan fits: no search, only the fallbacks' peaks to name.
     while budget >= lb && tried.len() < rounds {
         let mut s = settings.clone();
-        if let Some(b) = &best {
+        if let Some(b) = best {
             // The fastest plan that fits so far is feasible at every larger budget: the search
             // starts from it, so it returns nothing slower.
-            if !s.pso.seeds.contains(&b.actions) {
-                s.pso.seeds.push(b.actions.clone());
+            if !s.pso.seeds.contains(&found_plans[b].actions) {
+                s.pso.seeds.push(found_plans[b].actions.clone());
             }
         }
         let found = match make_plan(profile, a, method, &s, |_, _| {}) {
@@ -142,15 +142,14 @@ pub fn make_plan_reserved(
         match (found, reserved) {
             (Some(p), Some(r)) if r > budget => {
                 over = Some((a, r));
-                if tried.len() == 1 {
-                    top_plan = Some(p);
-                }
+                found_plans.push(p);
             }
             (Some(p), _) => {
                 low = Some(a);
-                if best.as_ref().map_or(true, |b| p.predicted.step_time < b.predicted.step_time) {
-                    best = Some(p);
+                if best.map_or(true, |b| p.predicted.step_time < found_plans[b].predicted.step_time) {
+                    best = Some(found_plans.len());
                 }
+                found_plans.push(p);
             }
             (None, _) => low = Some(a),
         }
@@ -178,8 +177,9 @@ pub fn make_plan_reserved(
         }
         a = next;
     }
-    let expandable = expandable_note(&g, &conf, &conf_text, budget, top_plan.as_ref(), &settings)?;
-    if let Some(plan) = best {
+    if let Some(b) = best {
+        let expandable = expandable_note(&g, &conf, &conf_text, budget, &found_plans[b], &found_plans, &settings)?;
+        let plan = found_plans.swap_remove(b);
         let chosen = tried.iter().position(|t| t.allocated_budget == plan.budget_bytes);
         return Ok(mark(plan, budget, &conf_text, &tried, chosen, None, expandable));
     }
@@ -204,6 +204,7 @@ pub fn make_plan_reserved(
     }
     if let Some(plan) = fallback.filter(|_| matches!(method, "pso" | "exhaustive" | "exhaustive-segments")) {
         let chosen = tried.iter().rposition(|t| t.method == plan.method);
+        let expandable = expandable_note(&g, &conf, &conf_text, budget, &plan, &found_plans, &settings)?;
         let note = format!(
             "no plan searched at {searches} allocated budgets has a reserved peak within the budget: fell back to {}, \
              whose allocated budget is the smallest it meets",
@@ -214,30 +215,42 @@ pub fn make_plan_reserved(
     Err(CoreError::NoReservedPlan { budget, smallest_known: smallest.unwrap_or(u64::MAX), alloc_conf: conf_text, rounds: searches })
 }
 
-/// Where the allocator settings do not have expandable segments: the reserved peak of the plan
-/// searched at the reserved budget (the fastest candidate) under them, when it would fit there
-/// (expandable segments keep reserved memory close to allocated: docs/cost-model.md).
+/// Where the allocator settings do not have expandable segments (which keep reserved memory
+/// close to allocated: docs/cost-model.md): the reserved peak of `plan` under them, and the
+/// fastest searched plan faster than it whose reserved peak would fit the budget under them.
 fn expandable_note(
     g: &Graph,
     conf: &AllocConf,
     conf_text: &str,
     budget: u64,
-    top_plan: Option<&Plan>,
+    plan: &Plan,
+    found: &[Plan],
     settings: &PlanSettings,
 ) -> Result<Option<serde_json::Value>> {
-    let (Some(p), false) = (top_plan, conf.expandable_segments) else { return Ok(None) };
+    if conf.expandable_segments {
+        return Ok(None);
+    }
     let text = if conf_text.trim().is_empty() {
         "expandable_segments:True".to_string()
     } else {
         format!("{conf_text},expandable_segments:True")
     };
     let conf = AllocConf { expandable_segments: true, ..conf.clone() };
-    let starts: Vec<bool> = (0..g.n).map(|u| p.segment_starts.contains(&u)).collect();
-    let r = reserved_bytes(g, &p.actions, &starts, p.budget_bytes, &settings.eval, &conf)?;
-    Ok((r <= budget).then(|| {
-        json!({"alloc_conf": text, "allocated_budget": p.budget_bytes, "reserved_bytes": r,
-               "step_time": p.predicted.step_time})
-    }))
+    let under = |p: &Plan| -> Result<u64> {
+        let starts: Vec<bool> = (0..g.n).map(|u| p.segment_starts.contains(&u)).collect();
+        reserved_bytes(g, &p.actions, &starts, p.budget_bytes, &settings.eval, &conf)
+    };
+    let mut note = json!({"alloc_conf": text, "reserved_bytes": under(plan)?});
+    let mut faster: Vec<&Plan> = found.iter().filter(|p| p.predicted.step_time < plan.predicted.step_time).collect();
+    faster.sort_by(|a, b| a.predicted.step_time.total_cmp(&b.predicted.step_time));
+    for p in faster {
+        let r = under(p)?;
+        if r <= budget {
+            note["faster"] = json!({"allocated_budget": p.budget_bytes, "reserved_bytes": r, "step_time": p.predicted.step_time});
+            break;
+        }
+    }
+    Ok(Some(note))
 }
 
 fn mark(
