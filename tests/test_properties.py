@@ -100,16 +100,17 @@ def _with_faster_links(p, factor):
 # prefetches ahead of their need were kept from overflowing a later stage (docs/cost-model.md,
 # "Backward stage Bi"), 10 of the 5,041 feasible examples of one such seed failed.
 @settings(common, max_examples=1000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.3, 1.2))
+@given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.6, 1.2))
 def test_more_bandwidth_never_makes_a_plan_infeasible_or_slower(pp, factor, frac):
     """Slower only where the slower link left a swap-out in flight that the backward then reused
     in place (a faster link completes it and must prefetch it back: docs/cost-model.md)."""
-    # most random plans are infeasible at these budgets: about 3 in 4 are filtered out below
+    # most random plans are infeasible at these budgets (below 0.6 of the unplanned peak almost
+    # all are): more than half are filtered out below
     p, plan = pp
     budget = max(1, int(tp.unplanned_peak(p) * frac))
     slow = tp.evaluate(p, plan, budget)
-    fast = tp.evaluate(_with_faster_links(p, factor), plan, budget)
     assume(slow["feasible"])
+    fast = tp.evaluate(_with_faster_links(p, factor), plan, budget)
     assert fast["feasible"] and fast["peak_bytes"] <= budget
     if slow["cancelled_swaps"] == 0:
         # The faster link may cancel a swap-out itself: its earlier prefetch (it fits sooner) can
