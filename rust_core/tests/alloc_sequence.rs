@@ -220,7 +220,7 @@ fn a_search_without_the_sequence_is_unchanged() {
 
 fn small_search() -> PlanSettings {
     PlanSettings {
-        pso: PsoSettings { particles: 24, iterations: 12, threads: 1, restarts: 0, relinks: 0, ..PsoSettings::default() },
+        pso: PsoSettings { particles: 24, iterations: 12, threads: 1, polish: false, ..PsoSettings::default() },
         ..PlanSettings::default()
     }
 }
