@@ -313,3 +313,20 @@ fn expandable_segments_reserve_less_than_fixed_segments_on_a_checkpointed_plan()
     let stats = simulate(&seq.events, &AllocConf { initial: seq.initial(), ..AllocConf::default() }).unwrap();
     assert_eq!(stats.max_reserved, fixed);
 }
+
+#[test]
+fn a_reserved_budget_search_is_deterministic_for_a_seed_whatever_the_thread_count() {
+    let p = load("resnet50");
+    let g = p.graph().unwrap();
+    let budget = (lower_bound(&g).0 + unplanned_peak(&g)) / 2;
+    let with_threads = |threads| {
+        let mut s = small_search();
+        s.pso.threads = threads;
+        make_plan_reserved(&p, budget, "pso", &s, 6).unwrap()
+    };
+    let (one, two) = (with_threads(1), with_threads(2));
+    assert_eq!(one.actions, two.actions);
+    assert_eq!(one.budget_bytes, two.budget_bytes);
+    assert_eq!(one.settings["reserved_search"], two.settings["reserved_search"]);
+    assert!(one.settings["reserved_search"]["rounds"].as_array().unwrap().len() > 1, "the search searched");
+}
