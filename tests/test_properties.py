@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -87,24 +89,61 @@ def test_a_swap_only_plan_never_exceeds_the_unplanned_peak(pp):
     assert tp.evaluate(p, plan, BIG)["peak_bytes"] <= tp.unplanned_peak(p)
 
 
-@settings(common, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.3, 1.2))
-def test_more_bandwidth_never_makes_a_plan_slower(pp, factor, frac):
-    """Unless the slower link left a swap-out in flight that the backward then reused in place
-    (a faster link completes it and must prefetch it back: docs/cost-model.md)."""
-    # most random plans are infeasible at these budgets: about 5 in 6 are filtered out below
-    p, plan = pp
-    budget = max(1, int(tp.unplanned_peak(p) * frac))
+def _with_faster_links(p, factor):
     faster = copy.deepcopy(p)
     faster["d2h_bandwidth"] *= factor
     faster["h2d_bandwidth"] *= factor
+    return faster
+
+
+# Three seeds of 20,000 examples passed before this was set to what a suite can afford; before
+# prefetches ahead of their need were kept from overflowing a later stage (docs/cost-model.md,
+# "Backward stage Bi"), 10 of the 5,041 feasible examples of one such seed failed.
+@settings(common, max_examples=1000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(profile_and_plan(), st.floats(1.0, 100.0), st.floats(0.6, 1.2))
+def test_more_bandwidth_never_makes_a_plan_infeasible_or_slower(pp, factor, frac):
+    """Slower only where the slower link left a swap-out in flight that the backward then reused
+    in place (a faster link completes it and must prefetch it back: docs/cost-model.md)."""
+    # most random plans are infeasible at these budgets (below 0.6 of the unplanned peak almost
+    # all are): more than half are filtered out below
+    p, plan = pp
+    budget = max(1, int(tp.unplanned_peak(p) * frac))
     slow = tp.evaluate(p, plan, budget)
-    fast = tp.evaluate(faster, plan, budget)
-    assume(slow["feasible"] and slow["cancelled_swaps"] == 0)
-    assert fast["feasible"]
-    # The faster link may cancel a swap-out itself: its earlier prefetch (it fits sooner) can
-    # catch a swap-out still in flight, whose device copy is then used, which is not slower.
-    assert fast["step_time"] <= slow["step_time"] * (1 + 1e-12) + 1e-12
+    assume(slow["feasible"])
+    fast = tp.evaluate(_with_faster_links(p, factor), plan, budget)
+    assert fast["feasible"] and fast["peak_bytes"] <= budget
+    if slow["cancelled_swaps"] == 0:
+        # The faster link may cancel a swap-out itself: its earlier prefetch (it fits sooner) can
+        # catch a swap-out still in flight, whose device copy is then used, which is not slower.
+        assert fast["step_time"] <= slow["step_time"] * (1 + 1e-12) + 1e-12
+
+
+REGRESSIONS = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("name, first_issue", [
+    # ../shared/regressions: with 7x faster links, unit 3's prefetch fitted the check at B5, ahead
+    # of its need at B3, and took the room of unit 5's replay there (991 bytes over 872).
+    ("faster-link-infeasible", {3: 4}),
+    # Found by the property above after the first fix (which reserved only the stage's own
+    # replays): a prefetch issued two stages ahead of its need, and a replay in the stage between.
+    ("faster-link-infeasible-replay", {5: 5}),
+    # ... and a swap-only plan: unit 1's prefetch issued at B3 left no room for B2's backward.
+    ("faster-link-infeasible-swaps", {1: 1}),
+])
+def test_the_faster_link_regressions_stay_feasible_and_no_slower(name, first_issue):
+    d = json.loads((REGRESSIONS / f"{name}.json").read_text())
+    p, plan = d["profile"], d["actions"]
+    budget = max(1, int(tp.unplanned_peak(p) * d["frac"]))
+    slow = tp.evaluate(p, plan, budget)
+    fast = tp.evaluate(_with_faster_links(p, d["factor"]), plan, budget)
+    assert slow["feasible"] and fast["feasible"], fast["reason"]
+    assert fast["peak_bytes"] <= budget
+    if slow["cancelled_swaps"] == 0:
+        assert fast["step_time"] <= slow["step_time"]
+    # The prefetch that overflowed a stage before its need is issued after that stage.
+    issued = {c["unit"]: c["issue_at_backward_of"] for c in fast["prefetch"]}
+    assert {u: issued[u] for u in first_issue} == first_issue
 
 
 @settings(max_examples=40, deadline=None)

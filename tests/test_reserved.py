@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tensorplace as tp
-from tensorplace import api
+from tensorplace import _core, api
 
 SEARCH = dict(particles=24, iterations=10, threads=1, restarts=0, relinks=0)
 
@@ -41,7 +41,7 @@ def test_a_reserved_budget_holds_in_simulated_reserved_memory(resnet, tmp_path):
     allocated = tp.plan_profile(resnet, budget, **SEARCH)
     assert allocated.predicted["reserved_bytes"] > budget  # so the reserved budget has work to do
     try:
-        plan = tp.plan_profile(resnet, budget, budget_kind="reserved", **SEARCH)
+        plan = tp.plan_profile(resnet, budget, budget_kind="reserved", reserved_rounds=4, **SEARCH)
     except tp.BudgetError as e:
         assert e.args[1] > budget and str(e.args[1]) in e.args[0]
         return
@@ -49,17 +49,65 @@ def test_a_reserved_budget_holds_in_simulated_reserved_memory(resnet, tmp_path):
     assert plan.budget_bytes < budget and plan.predicted["peak_bytes"] <= plan.budget_bytes
     r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True)
     assert r["reserved_bytes"] == plan.predicted["reserved_bytes"] <= budget
-    rounds = plan.settings["reserved_search"]["rounds"]
-    assert rounds[-1]["reserved_bytes"] == r["reserved_bytes"] and rounds[0]["allocated_budget"] == budget
+    search = plan.settings["reserved_search"]
+    rounds = search["rounds"]
+    assert rounds[0]["allocated_budget"] == budget and not search["fallback"]
+    chosen = rounds[search["chosen"]]
+    assert chosen["reserved_bytes"] == r["reserved_bytes"] and chosen["allocated_budget"] == plan.budget_bytes
+    # The fastest plan that fits of all searched.
+    assert all(plan.predicted["step_time"] <= x["step_time"] for x in rounds if x["fits"])
     # Saved and loaded; replan keeps the kind unless told otherwise.
     plan.save(tmp_path / "p.json")
     back = tp.Plan.load(tmp_path / "p.json")
     assert back == plan and back.budget_kind == "reserved"
     data = plan.to_dict()
     data["profile"] = resnet
-    again = tp.Plan(data).replan(budget, **SEARCH)
+    again = tp.Plan(data).replan(budget, reserved_rounds=4, **SEARCH)
     assert again.budget_kind == "reserved" and again.predicted["reserved_bytes"] <= budget
     assert tp.Plan(data).replan(budget, budget_kind="allocated", **SEARCH).budget_kind == "allocated"
+
+
+def test_the_search_beats_the_fallback_the_tightening_loop_took(resnet):
+    """At 17.5% of the way from the lower bound to the unplanned peak, the loop that tightened the
+    allocated budget by the overshoot went below the lower bound after one search (the plan at the
+    budget itself reserved 1,281 MB against 944 MB) and fell back to swap-all (470.7 ms); plans
+    at allocated budgets in between fit, and are faster."""
+    lb, up = tp.lower_bound(resnet), tp.unplanned_peak(resnet)
+    budget = lb + (up - lb) * 7 // 40
+    plan = tp.plan_profile(resnet, budget, budget_kind="reserved", **SEARCH)
+    r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True)
+    assert r["reserved_bytes"] == plan.predicted["reserved_bytes"] <= budget
+    assert plan.method == "pso" and not plan.settings["reserved_search"]["fallback"]
+    # The old fallback: the plan that needs the least allocated memory, at that budget.
+    smallest, actions = _core.smallest_known_budget(json.dumps(resnet))
+    fallback = tp.evaluate(resnet, actions, smallest, reserved=True)
+    assert fallback["reserved_bytes"] <= budget  # it fitted, so the old loop returned it
+    assert plan.predicted["step_time"] <= fallback["step_time"]
+    searched = [x for x in plan.settings["reserved_search"]["rounds"] if x["method"] == "pso"]
+    assert 2 <= len(searched) <= 8 and searched[0]["allocated_budget"] == budget and not searched[0]["fits"]
+    # What expandable segments would reserve, for this plan and for a faster plan the search found.
+    note = plan.settings["reserved_search"]["expandable_segments"]
+    r = tp.evaluate(resnet, plan.actions, plan.budget_bytes, segment_starts=plan.segment_starts, reserved=True,
+                    alloc_conf="expandable_segments:True")
+    assert note["alloc_conf"] == "expandable_segments:True" and note["reserved_bytes"] == r["reserved_bytes"]
+    faster = note["faster"]
+    assert faster["step_time"] < plan.predicted["step_time"] and faster["reserved_bytes"] <= budget
+    over = [x for x in searched if x["allocated_budget"] == faster["allocated_budget"]]
+    assert len(over) == 1 and over[0]["reserved_bytes"] > budget  # over it without them
+    msg = api.reserved_overhead_message(plan.to_dict(), "cuda")
+    assert "faster" in msg and "re-plan under them" in msg
+
+
+def test_only_when_no_searched_plan_fits_the_fallback_is_taken_and_said(resnet):
+    # Between the smallest reserved peak of the fallback and of any searched plan: one search.
+    smallest, actions = _core.smallest_known_budget(json.dumps(resnet))
+    fallback = tp.evaluate(resnet, actions, smallest, reserved=True)
+    plan = tp.plan_profile(resnet, fallback["reserved_bytes"], budget_kind="reserved", reserved_rounds=1, **SEARCH)
+    search = plan.settings["reserved_search"]
+    assert search["fallback"] and plan.method in ("swap-all", "recompute-all")
+    assert plan.method in search["note"] and "fell back" in plan.summary()
+    assert plan.predicted["reserved_bytes"] <= fallback["reserved_bytes"]
+    assert search["rounds"][search["chosen"]]["method"] == plan.method
 
 
 def test_a_reserved_budget_no_plan_meets_names_the_smallest_found(resnet):
@@ -124,6 +172,26 @@ def test_the_reserved_overhead_message(resnet):
     assert api.reserved_overhead_message(d3, "cuda") == msg
     d3.pop("profile")
     assert "no reserved-memory prediction" in api.reserved_overhead_message(d3, "cuda")
+
+
+def test_run_says_what_expandable_segments_would_allow(resnet):
+    """Numbers from the plan's settings.reserved_search.expandable_segments (set by the search)."""
+    d = _plan_dict(resnet, budget_kind="reserved", reserved_budget_bytes=_mid(resnet))
+    peak = d["predicted"]["peak_bytes"]
+    d["settings"]["reserved_search"] = {"expandable_segments": {
+        "alloc_conf": "expandable_segments:True", "reserved_bytes": peak + 3 * 2**20,
+        "faster": {"allocated_budget": _mid(resnet), "reserved_bytes": _mid(resnet) - 2**20,
+                   "step_time": d["predicted"]["step_time"] * 0.8}}}
+    msg = api.reserved_overhead_message(d, "cuda")
+    assert f"with expandable segments it would reserve {tp.format_bytes(peak + 3 * 2**20)}" in msg
+    assert f"{tp.format_bytes(3 * 2**20)} above its allocated peak" in msg
+    assert "20% faster" in msg and tp.format_bytes(_mid(resnet) - 2**20) in msg and "re-plan" in msg
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in msg
+    # Where they would not reserve less and no faster plan fits with them, run() does not suggest them.
+    d["settings"]["reserved_search"]["expandable_segments"] = {
+        "alloc_conf": "expandable_segments:True", "reserved_bytes": d["predicted"]["reserved_bytes"] + 1}
+    msg = api.reserved_overhead_message(d, "cuda")
+    assert "expandable segments would not reserve less" in msg and "PYTORCH_CUDA_ALLOC_CONF=" not in msg
 
 
 def test_run_warns_once_per_plan_on_cuda_only(resnet, monkeypatch):

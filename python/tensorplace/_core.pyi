@@ -56,7 +56,7 @@ def make_plan(
     seed_plans: Optional[List[List[str]]] = None,
     budget_kind: str = "allocated",
     alloc_conf: Optional[str] = None,
-    reserved_rounds: int = 4,
+    reserved_rounds: int = 8,
     restarts: int = 3,
     relinks: int = 6,
 ) -> str: ...

@@ -160,6 +160,30 @@ def reserved_overhead_message(plan: Dict[str, Any], device_type: str) -> Optiona
         head += f" (its budget, {format_bytes(int(plan['budget_bytes']))}, counts allocated bytes)"
     if alloc_conf is not None and _expandable(alloc_conf):
         return head + "; simulated with expandable segments, as the profile was measured"
+    # A reserved-budget plan says what expandable segments would reserve (docs/formats.md).
+    expandable = ((plan.get("settings") or {}).get("reserved_search") or {}).get("expandable_segments") or {}
+    if expandable.get("reserved_bytes") is None:
+        return head + "; " + turn_on
+    r = int(expandable["reserved_bytes"])
+    helps = r < int(reserved)
+    if helps:
+        head += (
+            f"; with expandable segments it would reserve {format_bytes(r)}, "
+            f"{format_bytes(max(r - int(allocated), 0))} above its allocated peak"
+        )
+    else:
+        head += f"; expandable segments would not reserve less for it ({format_bytes(r)})"
+    faster = expandable.get("faster")
+    if faster and predicted.get("step_time"):
+        gain = 100.0 * (1.0 - float(faster["step_time"]) / float(predicted["step_time"]))
+        head += (
+            f", {'and ' if helps else 'but '}a plan the search found, predicted {gain:.0f}% faster "
+            f"({float(faster['step_time']) * 1e3:.1f} ms against {float(predicted['step_time']) * 1e3:.1f} ms), "
+            f"would reserve {format_bytes(int(faster['reserved_bytes']))} with them and fit the reserved budget: "
+            "re-plan under them"
+        )
+    elif not helps:
+        return head
     return head + "; " + turn_on
 
 

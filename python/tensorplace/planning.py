@@ -197,8 +197,11 @@ class Plan:
         p = self.predicted
         c = self.counts()
         under = format_bytes(self.budget_bytes)
+        note = ""
         if self.reserved_budget_bytes is not None:
             under = f"{format_bytes(self.reserved_budget_bytes)} reserved ({under} allocated)"
+            search = (self.settings or {}).get("reserved_search") or {}
+            note = f"; {search['note']}" if search.get("note") else ""
         reserved = f", reserved {format_bytes(p['reserved_bytes'])}" if p.get("reserved_bytes") is not None else ""
         ss = self.state_swaps
         across = (
@@ -211,7 +214,7 @@ class Plan:
             f"{c['retain']} retain, {c['swap']} swap, {c['recompute']} recompute{across}; predicted step "
             f"{p['step_time'] * 1e3:.1f} ms (compute {p['compute_time'] * 1e3:.1f}, swap stall "
             f"{p['swap_stall'] * 1e3:.1f}, recompute {p['recompute'] * 1e3:.1f}), peak {format_bytes(p['peak_bytes'])}{reserved}"
-            + _fixed_text(self.fixed_memory)
+            + note + _fixed_text(self.fixed_memory)
         )
 
     def __repr__(self) -> str:
@@ -253,7 +256,7 @@ def plan_profile(
     seed_plans: Optional[Sequence[Sequence[str]]] = None,
     budget_kind: str = "allocated",
     alloc_conf: Optional[str] = None,
-    reserved_rounds: int = 4,
+    reserved_rounds: int = 8,
     restarts: int = 3,
     relinks: int = 6,
 ) -> Plan:
@@ -287,11 +290,17 @@ def plan_profile(
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
     ``PYTORCH_CUDA_ALLOC_CONF`` string; default, the one recorded in the profile's environment).
-    The search runs on allocated bytes; while the best plan's reserved peak is over the budget,
-    the allocated budget is tightened by the overshoot and the search runs again, up to
-    `reserved_rounds` times. The plan's ``budget_bytes`` is then the allocated budget it was
-    searched under, ``reserved_budget_bytes`` the budget given, ``predicted["reserved_bytes"]``
-    its reserved peak.
+    The search runs on allocated bytes, and searches the allocated budget: the plan searched at
+    the budget itself, then, while none fits, budgets lower by the reserved overshoot, then
+    bisection between the largest allocated budget whose plan fit and the smallest above it whose
+    plan did not, up to `reserved_rounds` searches; the fastest plan that fits is returned. When
+    no searched plan fits, the faster of the all-swap and all-recompute plans that fits is
+    (``settings["reserved_search"]["note"]`` says so); when none fits, `BudgetError` names the
+    smallest reserved budget a plan found meets. The plan's ``budget_bytes`` is the allocated
+    budget it was searched under, ``reserved_budget_bytes`` the budget given,
+    ``predicted["reserved_bytes"]`` its reserved peak; ``settings["reserved_search"]`` lists
+    every search (docs/formats.md) and, where expandable segments would let the plan searched at
+    the budget itself fit, says so (``expandable_segments``), which ``run()`` repeats on CUDA.
     """
     if budget_kind not in BUDGET_KINDS:
         raise _core.PlannerError(f"budget_kind {budget_kind!r}: use one of {', '.join(BUDGET_KINDS)}")

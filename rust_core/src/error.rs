@@ -60,9 +60,9 @@ impl fmt::Display for CoreError {
             CoreError::NoReservedPlan { budget, smallest_known, alloc_conf, rounds } => write!(
                 f,
                 "no plan found whose reserved memory fits the reserved budget of {budget} bytes ({}) under \
-                 PYTORCH_CUDA_ALLOC_CONF={alloc_conf:?} ({rounds} searches, each on an allocated budget tightened by \
-                 the last plan's reserved overshoot); the smallest reserved budget a plan found meets is \
-                 {smallest_known} bytes ({}): give at least that, or turn on expandable segments \
+                 PYTORCH_CUDA_ALLOC_CONF={alloc_conf:?} ({rounds} searches on allocated budgets between the lower bound \
+                 and the budget, and the all-swap and all-recompute plans); the smallest reserved budget a plan found \
+                 meets is {smallest_known} bytes ({}): give at least that, or turn on expandable segments \
                  (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts, and in the profile)",
                 mib(*budget),
                 mib(*smallest_known)

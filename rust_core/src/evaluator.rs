@@ -219,6 +219,14 @@ pub struct Scratch {
     state_resident: Vec<bool>,
     state_ready: Vec<f64>,
     state_out: Vec<bool>,
+    /// Units whose prefetch was issued ahead of its need in this run, in issue order.
+    early: Vec<usize>,
+    /// (unit, stage): prefetches issued ahead of their need that were on the device when backward
+    /// `stage`, before their need, did not fit (the first stage that did not fit).
+    retract: Vec<(usize, usize)>,
+    /// Per unit, the highest backward stage at which its prefetch may be issued ahead of its need
+    /// (`usize::MAX`: any). Kept across the runs of one evaluation ([`run_with_events`]).
+    issue_from: Vec<usize>,
 }
 
 /// Queue items: the kind of what a swap-out moves, in the item's top bits.
@@ -271,6 +279,8 @@ impl Scratch {
             v.clear();
             v.resize(n, 0.0);
         }
+        self.early.clear();
+        self.retract.clear();
     }
 }
 
@@ -400,10 +410,24 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
                     total,
                     over
                 ));
+                self.blame_early_prefetches();
             }
             self.excess = self.excess.max(over);
         }
         self.touch(total);
+    }
+
+    /// At the first stage that does not fit, a backward stage: the prefetches issued ahead of their
+    /// need whose bytes are on the device and not needed yet, to be issued later.
+    fn blame_early_prefetches(&mut self) {
+        if let Stage::Bwd(j) = self.stage {
+            for k in 0..self.s.early.len() {
+                let u = self.s.early[k];
+                if self.s.resident[u] && self.g.first_need[u].map_or(false, |f| f < j) {
+                    self.s.retract.push((u, j));
+                }
+            }
+        }
     }
 
     /// Wait (swap stall) for the next queued swap-out that still holds device bytes, and release
@@ -782,8 +806,50 @@ pub fn evaluate_with_swaps(
 
 /// [`evaluate_with_swaps`], reporting every change of the memory count to `ev`
 /// (crate::alloc_sequence).
+///
+/// A prefetch issued ahead of its need must not make a stage before its need overflow: when the
+/// first stage that does not fit is a backward stage with such prefetches on the device, the step
+/// is simulated again with each of them issued no earlier than the stage after it, until the
+/// first stage that does not fit has none (each retry moves a prefetch later, so this ends).
+/// A plan that fits is simulated once.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_with_events<E: MemoryEvents>(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    swaps: &StateSwaps,
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    record: bool,
+    ev: &mut E,
+) -> Outcome {
+    scratch.issue_from.clear();
+    scratch.issue_from.resize(g.n, usize::MAX);
+    loop {
+        // The events of a retried run would be reported twice: find the schedule without them.
+        let out = if E::ENABLED {
+            simulate(g, actions, starts, swaps, budget, opts, scratch, false, &mut NoEvents)
+        } else {
+            simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev)
+        };
+        let mut moved = false;
+        for k in 0..scratch.retract.len() {
+            let (u, stage) = scratch.retract[k];
+            if scratch.issue_from[u] > stage - 1 {
+                scratch.issue_from[u] = stage - 1;
+                moved = true;
+            }
+        }
+        if !moved {
+            return if E::ENABLED { simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev) } else { out };
+        }
+    }
+}
+
+/// One simulated step, with the prefetches ahead of their need limited by `scratch.issue_from`.
+#[allow(clippy::too_many_arguments)]
+fn simulate<E: MemoryEvents>(
     g: &Graph,
     actions: &[Action],
     starts: &[bool],
@@ -1024,8 +1090,11 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
                 continue;
             }
             let fits = sim.mem + g.act[u] + g.bwd_transient[i] + g.grad[i] <= budget;
-            if need < i && !fits {
+            if need < i && (!fits || i > sim.s.issue_from[u]) {
                 break;
+            }
+            if need < i {
+                sim.s.early.push(u);
             }
             sim.issue_prefetch(u, i);
             next += 1;

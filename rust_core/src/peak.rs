@@ -119,6 +119,13 @@ pub fn smallest_known_budget(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>
     best
 }
 
+/// The smallest budget (to 0.001%) between the lower bound and the unplanned peak at which
+/// `actions` is feasible, or None.
+pub fn smallest_budget_of(g: &Graph, actions: &[Action], opts: &EvalOptions) -> Option<u64> {
+    let feasible = |b: u64, s: &mut Scratch| evaluate(g, actions, b, opts, s, false).feasible;
+    bisect(lower_bound(g).0, unplanned_peak(g), &mut Scratch::new(g.n), feasible)
+}
+
 /// The smallest budget in (lo, hi] at which `feasible` holds, by bisection to 0.001% (None if it
 /// does not hold at `hi`).
 fn bisect(lo: u64, hi: u64, scratch: &mut Scratch, feasible: impl Fn(u64, &mut Scratch) -> bool) -> Option<u64> {

@@ -220,7 +220,7 @@ fn a_search_without_the_sequence_is_unchanged() {
 
 fn small_search() -> PlanSettings {
     PlanSettings {
-        pso: PsoSettings { particles: 24, iterations: 12, threads: 1, ..PsoSettings::default() },
+        pso: PsoSettings { particles: 24, iterations: 12, threads: 1, polish: false, ..PsoSettings::default() },
         ..PlanSettings::default()
     }
 }
@@ -246,6 +246,18 @@ fn a_reserved_budget_is_met_in_simulated_reserved_memory_or_refused_with_what_wo
                 assert!(r <= budget, "{name}: reserved {r} over the budget {budget}");
                 assert_eq!(plan.predicted.reserved_bytes, Some(r));
                 assert!(plan.predicted.feasible && plan.predicted.peak_bytes <= plan.budget_bytes);
+                // The fastest of the searched plans that fit, and the rounds say which.
+                let search = &plan.settings["reserved_search"];
+                let rounds = search["rounds"].as_array().unwrap();
+                assert!(rounds.len() <= 4 && rounds[0]["allocated_budget"] == budget, "{name}: {search}");
+                let chosen = &rounds[search["chosen"].as_u64().unwrap() as usize];
+                assert_eq!(chosen["allocated_budget"], plan.budget_bytes);
+                assert_eq!(chosen["reserved_bytes"], r);
+                for round in rounds.iter().filter(|x| x["fits"] == true) {
+                    assert!(round["reserved_bytes"].as_u64().unwrap() <= budget);
+                    assert!(plan.predicted.step_time <= round["step_time"].as_f64().unwrap(), "{name}: {search}");
+                }
+                assert_eq!(search["fallback"], false);
             }
             Err(CoreError::NoReservedPlan { smallest_known, .. }) => assert!(smallest_known > budget),
             Err(e) => panic!("{name}: {e}"),
@@ -300,4 +312,21 @@ fn expandable_segments_reserve_less_than_fixed_segments_on_a_checkpointed_plan()
     let seq = allocation_sequence(&g, &plan.actions, &starts, u64::MAX / 4, &eval).unwrap();
     let stats = simulate(&seq.events, &AllocConf { initial: seq.initial(), ..AllocConf::default() }).unwrap();
     assert_eq!(stats.max_reserved, fixed);
+}
+
+#[test]
+fn a_reserved_budget_search_is_deterministic_for_a_seed_whatever_the_thread_count() {
+    let p = load("resnet50");
+    let g = p.graph().unwrap();
+    let budget = (lower_bound(&g).0 + unplanned_peak(&g)) / 2;
+    let with_threads = |threads| {
+        let mut s = small_search();
+        s.pso.threads = threads;
+        make_plan_reserved(&p, budget, "pso", &s, 6).unwrap()
+    };
+    let (one, two) = (with_threads(1), with_threads(2));
+    assert_eq!(one.actions, two.actions);
+    assert_eq!(one.budget_bytes, two.budget_bytes);
+    assert_eq!(one.settings["reserved_search"], two.settings["reserved_search"]);
+    assert!(one.settings["reserved_search"]["rounds"].as_array().unwrap().len() > 1, "the search searched");
 }

@@ -265,3 +265,27 @@ fn a_segment_holds_what_it_saves_of_another_segments_units_and_replays_once() {
     assert!((joined.recompute - 3.0).abs() < 1e-9, "each unit is replayed once: {}", joined.recompute);
     assert_eq!(joined.end_bytes, 0);
 }
+
+#[test]
+fn a_faster_link_keeps_the_regression_plans_feasible() {
+    // tests/data/faster-link-infeasible*.json: plans that a 7x-85x faster link made infeasible,
+    // because a prefetch issued ahead of its need overflowed a stage before that need.
+    for name in ["faster-link-infeasible", "faster-link-infeasible-replay", "faster-link-infeasible-swaps"] {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../tests/data/{name}.json"));
+        let case: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let slow = tensorplace_core::Profile::from_json(&case["profile"].to_string()).unwrap();
+        let mut fast = slow.clone();
+        let factor = case["factor"].as_f64().unwrap();
+        fast.d2h_bandwidth *= factor;
+        fast.h2d_bandwidth *= factor;
+        let actions: Vec<Action> =
+            case["actions"].as_array().unwrap().iter().map(|a| Action::from_name(a.as_str().unwrap()).unwrap()).collect();
+        let budget = ((unplanned_peak(&slow.graph().unwrap()) as f64) * case["frac"].as_f64().unwrap()) as u64;
+        let (s, f) = (eval(&slow, &actions, budget), eval(&fast, &actions, budget));
+        assert!(s.feasible && f.feasible, "{name}: {:?}", f.reason);
+        assert!(f.peak_bytes <= budget, "{name}");
+        if s.cancelled_swaps == 0 {
+            assert!(f.step_time <= s.step_time, "{name}: {} > {}", f.step_time, s.step_time);
+        }
+    }
+}
