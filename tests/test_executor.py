@@ -1289,3 +1289,43 @@ def test_a_segment_of_chained_module_calls_is_replayed_from_them() -> None:
         ["ReLU", "ConvBN", "MaxPool2d", "Conv2d", "BatchNorm2d"]
     assert planned.last_stats.segment_replays == 1
     planned.close()
+
+
+class _Permute(nn.Module):
+    """torchvision's Permute (ConvNeXt's blocks): a module whose output is a view of its input."""
+
+    def __init__(self, dims: Sequence[int]) -> None:
+        super().__init__()
+        self.dims = list(dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.permute(x, self.dims)
+
+
+def test_a_segment_whose_calls_pass_views_of_one_storage_replays_the_right_view() -> None:
+    """A ConvNeXt-style block (Conv2d, a Permute module, LayerNorm, Linear, Permute back): the
+    Permute's output is the conv output's storage at the same version, another view of it. The
+    replay hands LayerNorm the permuted view, not the conv output (it did, and LayerNorm failed
+    on the channels-first shape)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.Sequential(_Permute([0, 2, 3, 1]), nn.LayerNorm(8), nn.Linear(8, 8), _Permute([0, 3, 1, 2])),
+        nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    x, y = torch.randn(2, 3, 6, 6), torch.randint(0, 4, (2,))
+    recs = records(model, x)
+    names = [r.name for r in recs]
+    first, last = names.index("0"), names.index("1.1")  # Conv2d, Permute, LayerNorm
+    acts = ["recompute" if first <= i <= last else "retain" for i in range(len(recs))]
+    ref = copy.deepcopy(model)
+    planned = PlannedModule(model, acts, backend=CpuBackend())
+    for _ in range(3):
+        for m in (model, ref):
+            m.zero_grad()
+        loss_fn(planned(x), y).backward()
+        loss_fn(ref(x), y).backward()
+        assert all(torch.equal(p1.grad, p2.grad) for p1, p2 in zip(ref.parameters(), model.parameters()))
+    program = planned.executor._program
+    assert [type(c.module).__name__ for c in program.segments[0].calls] == ["Conv2d", "_Permute", "LayerNorm"]
+    assert planned.last_stats.segment_replays == 1
+    planned.close()

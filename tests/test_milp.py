@@ -95,6 +95,12 @@ def check_against_the_optimum_with_segments(profile: Dict[str, Any], frac: float
     exact = tp.plan_profile(profile, budget, "exhaustive-segments" if choose else "exhaustive")
     plan = tp.plan_profile(profile, budget, "milp", time_limit=10, choose_starts=choose)
     first = plan.settings["attempts"][0]
+    if first["status"] == "Infeasible" and "swap" in exact.actions:
+        # docs/methods.md, "Where the MILP departs", 3: the evaluator issues a prefetch later to
+        # spare a later stage, the model issues it earlier and refuses the plan; at the smallest
+        # budgets that is every plan, and the MILP falls back to the search
+        assert plan.settings["fallback"] and plan.predicted["feasible"] and plan.predicted["peak_bytes"] <= budget
+        return
     assert first["status"] == "Optimal", plan.settings
     SEGMENT_CASES["chosen starts" if choose else "default starts"].append(
         (multi_unit_segments(exact.actions, exact.segment_starts) > 0, bool(first.get("evaluator_feasible")))

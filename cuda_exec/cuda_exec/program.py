@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .learn import REPLAY_SLOT, REPLAY_VALUE, RETAIN, SWAP, _Table
-from .units import UnitTracker, ValueRec
+from .units import UnitTracker, ValueRec, ViewMeta
 
 if TYPE_CHECKING:
     from .recorded_replay import _InputSlot
@@ -228,6 +228,10 @@ class _Aligner:
         # the top calls' arguments
         calls: List[TopCall] = []
         entry_args: List[Tuple[int, int, int]] = []  # (pack, top call, leaf)
+        # a value is a storage's version, which several views share (a Permute module's output
+        # and its input): an argument comes from the last earlier top call that returned that
+        # very view; where none did, glue outside the top calls made it, which a replay does not run
+        view_pos: Dict[Tuple[int, ViewMeta], Tuple[int, int]] = {}
         for i, rec in enumerate(recs):
             args: List[Optional[ArgKind]] = []
             for leaf, v in enumerate(rec.arg_values):
@@ -235,8 +239,8 @@ class _Aligner:
                     args.append(ArgKind(ARG_HOLD) if rec.arg_tensor[leaf] else None)
                     continue
                 if v.owner in in_run:
-                    pos = out_pos.get(v)
-                    if pos is None or pos[0] >= i:
+                    pos = view_pos.get((id(v), rec.arg_views[leaf]))
+                    if pos is None:
                         return None
                     keep[pos[0]].add(pos[1])
                     args.append(ArgKind(ARG_REGEN, call=pos[0], pos=pos[1]))
@@ -256,6 +260,9 @@ class _Aligner:
             for leaf, kind in enumerate(args):
                 if kind is not None:
                     kind.written = rec.arg_written[leaf]
+            for p, v in enumerate(rec.out_values):
+                if v is not None and v.owner in in_run:
+                    view_pos[(id(v), rec.out_views[p])] = (i, p)
             calls.append(TopCall(rec.module, args, [], rec.pack_exit - rec.pack_enter, rec.simple))
         # every tensor its units read from outside their top call comes in as an argument of it
         for u in in_run:

@@ -363,8 +363,8 @@ class CallRecord:
     outputs were, and which buffers a unit's call wrote into."""
 
     __slots__ = ("module", "parent", "enter", "exit", "pack_enter", "pack_exit", "units_enter", "units_exit",
-                 "arg_values", "arg_tensor", "arg_versions", "arg_written", "simple", "out_values", "buffers",
-                 "mutated_buffers", "unit")
+                 "arg_values", "arg_tensor", "arg_versions", "arg_written", "arg_views", "simple", "out_values",
+                 "out_views", "buffers", "mutated_buffers", "unit")
 
     def __init__(self, module: nn.Module, parent: int, enter: int, pack: int, units: int,
                  arg_values: List[Optional["ValueRec"]]) -> None:
@@ -384,7 +384,11 @@ class CallRecord:
         self.arg_versions: List[int] = []
         #: per leaf: the call wrote into that tensor argument in place
         self.arg_written: List[bool] = []
+        #: per leaf: the tensor argument's view of its storage (values are storage versions, so a
+        #: view of another call's output has that output's value: its view tells them apart)
+        self.arg_views: List[Optional[ViewMeta]] = []
         self.out_values: List[Optional["ValueRec"]] = []
+        self.out_views: List[Optional[ViewMeta]] = []
         self.buffers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.mutated_buffers: List[torch.Tensor] = []
         self.unit = -1  #: the unit this call starts, -1 when it starts none
@@ -790,6 +794,7 @@ class UnitTracker:
                              [self.value_of(x) if isinstance(x, torch.Tensor) else None for x in leaves])
             rec.arg_tensor = [isinstance(x, torch.Tensor) for x in leaves]
             rec.arg_versions = [x._version if isinstance(x, torch.Tensor) else 0 for x in leaves]
+            rec.arg_views = [ViewMeta.of(x) if v is not None else None for x, v in zip(leaves, rec.arg_values)]
             rec.simple = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
             if module in self.unit_modules and self._depth == 0:
                 # a unit's call: which buffers it writes into (BatchNorm's running statistics are
@@ -823,8 +828,9 @@ class UnitTracker:
                                for x, v in zip(leaves, rec.arg_versions)]
             rec.pack_exit = self.pack_count
             rec.units_exit = len(self.segments)
-            rec.out_values = [self.value_of(x) if isinstance(x, torch.Tensor) else None
-                              for x in pytree.tree_leaves(output)]
+            outs = pytree.tree_leaves(output)
+            rec.out_values = [self.value_of(x) if isinstance(x, torch.Tensor) else None for x in outs]
+            rec.out_views = [ViewMeta.of(x) if v is not None else None for x, v in zip(outs, rec.out_values)]
             with torch.no_grad():
                 rec.mutated_buffers = [b for b, before in rec.buffers
                                        if b.shape != before.shape or not torch.equal(b, before)]
