@@ -7,6 +7,7 @@
 //! - [`peak`]: peak analysis and the lower bound of any plan.
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3); [`polish`]: the local search
 //!   after it; [`relink`]: path relinking between polished plans, last.
+//! - [`incremental`]: the search's moves evaluated from saved states, stopped by a bound.
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
@@ -22,6 +23,7 @@ pub mod allocator;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
+pub mod incremental;
 pub mod memory_curve;
 pub mod methods;
 pub mod peak;
