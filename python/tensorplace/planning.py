@@ -248,6 +248,7 @@ def plan_profile(
     reserved_rounds: int = 4,
     restarts: int = 3,
     relinks: int = 6,
+    block_wise: Optional[bool] = None,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
@@ -335,6 +336,7 @@ def plan_profile(
         reserved_rounds=reserved_rounds,
         restarts=restarts,
         relinks=relinks,
+        block_wise=block_wise,
     )
     return _with_fixed_memory(json.loads(data), profile)
 

@@ -906,7 +906,7 @@ fn simulate<E: MemoryEvents>(
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
-        if hooks.as_deref().is_some_and(|h| h.cannot_beat(&sim, Stage::Fwd(i))) {
+        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&sim, Stage::Fwd(i))) {
             return None;
         }
     }
@@ -982,7 +982,7 @@ fn simulate<E: MemoryEvents>(
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
-        if hooks.as_deref().is_some_and(|h| h.cannot_beat(&sim, Stage::Bwd(i))) {
+        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&sim, Stage::Bwd(i))) {
             return None;
         }
     }
@@ -1172,6 +1172,8 @@ pub(crate) struct Hooks<'h> {
     pub bound: Option<Score>,
     pub rest_after_fwd: &'h [f64],
     pub rest_after_bwd: &'h [f64],
+    /// Forward and backward stages simulated (counted at their end).
+    pub stages: u64,
 }
 
 impl Hooks<'_> {
@@ -1196,7 +1198,8 @@ impl Hooks<'_> {
 
     /// The plan, simulated up to the end of `stage`, ends strictly worse than the bound. (A
     /// relative margin of 1e-9 covers the rounding of the remaining stage times' sum.)
-    fn cannot_beat<E: MemoryEvents>(&self, sim: &Sim<E>, stage: Stage) -> bool {
+    fn cannot_beat<E: MemoryEvents>(&mut self, sim: &Sim<E>, stage: Stage) -> bool {
+        self.stages += 1;
         let Some(b) = self.bound else { return false };
         let rest = match stage {
             Stage::Fwd(i) => self.rest_after_fwd[i],

@@ -41,6 +41,22 @@ pub struct Context<'a> {
     stride: usize,
     rest_after_fwd: Vec<f64>,
     rest_after_bwd: Vec<f64>,
+    min_time: f64,
+}
+
+/// One thread's evaluation buffers and the work it did.
+#[derive(Debug, Clone, Default)]
+pub struct Worker {
+    pub scratch: Scratch,
+    /// Forward and backward stages simulated so far (a work count that does not depend on the
+    /// machine's load).
+    pub stages: u64,
+}
+
+impl Worker {
+    pub fn new(n: usize) -> Worker {
+        Worker { scratch: Scratch::new(n), stages: 0 }
+    }
 }
 
 /// A plan, its score, and its simulation's state at the start of forward stages 0, stride,
@@ -74,7 +90,25 @@ impl<'a> Context<'a> {
             rest_after_fwd[i] = acc;
             acc += g.fwd_time[i];
         }
-        Context { g, budget, opts, starts, stride: n.div_ceil(SAVED_STATES).max(1), rest_after_fwd, rest_after_bwd }
+        // The step time of a plan that never waits and replays nothing, added up in the order the
+        // simulation adds the stage times (so that such a plan's step time is this, bit for bit).
+        let mut min_time = 0.0;
+        for i in 0..n {
+            min_time += g.fwd_time[i];
+        }
+        for i in (0..n).rev() {
+            min_time += g.bwd_time[i];
+        }
+        if g.has_optimizer {
+            min_time += g.opt_step_time;
+        }
+        Context { g, budget, opts, starts, stride: n.div_ceil(SAVED_STATES).max(1), rest_after_fwd, rest_after_bwd, min_time }
+    }
+
+    /// No plan is faster than one scoring `s`: it fits and its step is the sum of the stage times
+    /// (step time = compute + swap stall + recompute, and neither of the last two is negative).
+    pub fn is_optimal(&self, s: &Score) -> bool {
+        s.feasible && s.time <= self.min_time
     }
 
     /// A budget of its own (the polish's unlimited-memory scan), same profile.
@@ -98,20 +132,20 @@ impl<'a> Context<'a> {
     }
 
     /// Evaluate `plan` in full, saving its states.
-    pub fn base(&self, plan: &[Action], scratch: &mut Scratch) -> Base {
+    pub fn base(&self, plan: &[Action], w: &mut Worker) -> Base {
         let mut states = vec![SimState::default(); self.slots()];
-        let score = self.run(plan, None, 0, &mut states, None, scratch).expect("no bound");
+        let score = self.run(plan, None, 0, &mut states, None, w).expect("no bound");
         Base { plan: plan.to_vec(), score, states }
     }
 
     /// Make `base` the base of `plan`: resume from the first stage where they can differ and
     /// save the states from there on.
-    pub fn rebase(&self, base: &mut Base, plan: &[Action], scratch: &mut Scratch) {
+    pub fn rebase(&self, base: &mut Base, plan: &[Action], w: &mut Worker) {
         let Some(j) = (0..plan.len()).find(|&u| plan[u] != base.plan[u]) else { return };
         let slot = self.affected_from(&base.plan, j) / self.stride;
         let (head, tail) = base.states.split_at_mut(slot + 1);
         let resume = if slot == 0 { None } else { Some(&head[slot]) };
-        base.score = self.run(plan, resume, slot + 1, tail, None, scratch).expect("no bound");
+        base.score = self.run(plan, resume, slot + 1, tail, None, w).expect("no bound");
         base.plan.copy_from_slice(plan);
     }
 
@@ -123,18 +157,18 @@ impl<'a> Context<'a> {
         plan: &[Action],
         changed_from: usize,
         bound: Option<Score>,
-        scratch: &mut Scratch,
+        w: &mut Worker,
     ) -> Option<Score> {
         let changed_from = changed_from.min(plan.len().saturating_sub(1));
         debug_assert!(plan[..changed_from] == base.plan[..changed_from], "the plan differs before changed_from");
         let slot = self.affected_from(&base.plan, changed_from) / self.stride;
         let resume = if slot == 0 { None } else { Some(&base.states[slot]) };
-        self.run(plan, resume, 0, &mut [], bound, scratch)
+        self.run(plan, resume, 0, &mut [], bound, w)
     }
 
     /// The score of `plan` from scratch (None when it cannot beat `bound`).
-    pub fn score_full(&self, plan: &[Action], bound: Option<Score>, scratch: &mut Scratch) -> Option<Score> {
-        self.run(plan, None, 0, &mut [], bound, scratch)
+    pub fn score_full(&self, plan: &[Action], bound: Option<Score>, w: &mut Worker) -> Option<Score> {
+        self.run(plan, None, 0, &mut [], bound, w)
     }
 
     fn run(
@@ -144,7 +178,7 @@ impl<'a> Context<'a> {
         first_slot: usize,
         save: &mut [SimState],
         bound: Option<Score>,
-        scratch: &mut Scratch,
+        w: &mut Worker,
     ) -> Option<Score> {
         let mut hooks = Hooks {
             resume,
@@ -154,7 +188,10 @@ impl<'a> Context<'a> {
             bound,
             rest_after_fwd: &self.rest_after_fwd,
             rest_after_bwd: &self.rest_after_bwd,
+            stages: 0,
         };
-        score_hooked(self.g, plan, self.starts, self.budget, self.opts, scratch, &mut hooks)
+        let s = score_hooked(self.g, plan, self.starts, self.budget, self.opts, &mut w.scratch, &mut hooks);
+        w.stages += hooks.stages;
+        s
     }
 }

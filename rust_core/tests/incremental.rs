@@ -7,7 +7,7 @@ use common::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tensorplace_core::evaluator::{score, EvalOptions, Score, Scratch};
-use tensorplace_core::incremental::Context;
+use tensorplace_core::incremental::{Context, Worker};
 use tensorplace_core::peak::{lower_bound, unplanned_peak};
 use tensorplace_core::{Action, Graph, Profile};
 
@@ -64,7 +64,7 @@ fn random_opts(rng: &mut ChaCha8Rng) -> EvalOptions {
 fn check(g: &Graph, rng: &mut ChaCha8Rng, opts: &EvalOptions, plans: usize, moves: usize) -> usize {
     let budget = random_budget(rng, g);
     let ctx = Context::new(g, budget, opts);
-    let mut scratch = Scratch::new(g.n);
+    let mut scratch = Worker::new(g.n);
     let mut s2 = Scratch::new(g.n);
     let full = |p: &[Action], s: &mut Scratch| score(g, p, budget, opts, s);
     let mut stopped = 0;
