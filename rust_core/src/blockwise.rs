@@ -130,8 +130,23 @@ pub fn search(
     let classes: Vec<Vec<(usize, usize)>> = settings.blocks.iter().filter(|c| c.len() >= 2).cloned().collect();
     let spaces = levels(g.n, &classes);
     let (mut best, _) = pipeline(g, budget, opts, settings, pool, &spaces[0], &settings.seeds, trace, "blocks:", on_iteration);
+    // The swarm starts from the seeds (the heuristics' plans, the recipes) made plans of the tied
+    // space; the seeds themselves are candidates too, so the result is never worse than any.
+    let ctx = crate::incremental::Context::new(g, budget, opts);
+    let mut w = crate::incremental::Worker::new(g.n);
+    let mut best_seed: Option<(Vec<Action>, Score)> = None;
+    for seed in &settings.seeds {
+        let s = ctx.score_full(seed, None, &mut w).expect("no bound");
+        if best_seed.as_ref().map_or(true, |(_, b)| s.better_than(b)) {
+            best_seed = Some((seed.clone(), s));
+        }
+    }
+    let keep_seed = |best: (Vec<Action>, Score)| match &best_seed {
+        Some((p, s)) if s.better_than(&best.1) => (p.clone(), *s),
+        _ => best,
+    };
     if !settings.polish {
-        return best;
+        return keep_seed(best);
     }
     for (k, space) in spaces.iter().enumerate().skip(1) {
         let clock = Instant::now();
@@ -156,7 +171,7 @@ pub fn search(
             best: best.1.feasible.then_some(best.1.time),
         });
     }
-    best
+    keep_seed(best)
 }
 
 #[cfg(test)]

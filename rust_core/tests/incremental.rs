@@ -68,6 +68,7 @@ fn check(g: &Graph, rng: &mut ChaCha8Rng, opts: &EvalOptions, plans: usize, move
     let mut s2 = Scratch::new(g.n);
     let full = |p: &[Action], s: &mut Scratch| score(g, p, budget, opts, s);
     let mut stopped = 0;
+    let mut seen: Vec<Score> = Vec::new();
     for _ in 0..plans {
         let plan = random_plan(rng, g.n);
         let mut base = ctx.base(&plan, &mut scratch);
@@ -75,6 +76,7 @@ fn check(g: &Graph, rng: &mut ChaCha8Rng, opts: &EvalOptions, plans: usize, move
         for m in 0..moves {
             let (p, j) = random_move(rng, &base.plan);
             let want = full(&p, &mut s2);
+            seen.push(want);
             let got = ctx.score(&base, &p, j, None, &mut scratch).expect("no bound");
             assert_eq!(got, want, "move from unit {j}: resumed {got:?}, full {want:?}\nbase {:?}\nplan {:?}", base.plan, p);
             // Bounds: the base's score, the move's own, a random plan's, and slightly off ones.
@@ -100,6 +102,10 @@ fn check(g: &Graph, rng: &mut ChaCha8Rng, opts: &EvalOptions, plans: usize, move
                 assert_eq!(base.score, want, "a rebased plan's score is the full evaluation's");
             }
         }
+    }
+    // A score the context calls optimal (it fits, with no stall and no replay) is beaten by none.
+    for a in seen.iter().filter(|a| ctx.is_optimal(a)) {
+        assert!(!seen.iter().any(|b| b.better_than(a)), "{a:?} is called optimal");
     }
     stopped
 }
