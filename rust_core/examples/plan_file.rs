@@ -20,6 +20,14 @@ fn load(path: &str) -> Profile {
     Profile::from_json(&prof).unwrap()
 }
 
+/// User and system CPU seconds of this process so far (Linux: /proc/self/stat, 100 ticks/s).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let tick = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (tick(11) + tick(12)) / 100.0
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let mut fractions = vec![0.3];
@@ -57,12 +65,12 @@ fn main() {
         let up = tensorplace_core::peak::unplanned_peak(&g);
         for &frac in &fractions {
             let budget = lb + ((up - lb) as f64 * frac) as u64;
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), cpu_seconds());
             let plan = make_plan(&p, budget, "pso", &s, |_, _| {}).unwrap();
-            let secs = t.elapsed().as_secs_f64();
+            let (secs, cpu) = (t.elapsed().as_secs_f64(), cpu_seconds() - c);
             let conv = plan.convergence.as_ref().unwrap();
             let line = serde_json::json!({
-                "file": f, "units": g.n, "copy_ratio": copy_ratio, "fraction": frac, "budget": budget, "seconds": secs,
+                "file": f, "units": g.n, "copy_ratio": copy_ratio, "fraction": frac, "budget": budget, "seconds": secs, "cpu_seconds": cpu,
                 "step_time": plan.predicted.step_time, "peak": plan.predicted.peak_bytes,
                 "evaluations": conv["evaluations"], "stages": conv.get("stages"),
                 "actions": plan.actions.iter().map(|a| match a { tensorplace_core::Action::Retain => '.', tensorplace_core::Action::Swap => 's', tensorplace_core::Action::Recompute => 'r' }).collect::<String>(),
