@@ -251,7 +251,10 @@ def test_convergence_profiles_a_users_model(tmp_path, mymodels):
     lb, up = tp.lower_bound(ref), tp.unplanned_peak(ref)
     assert data["profile"] == "mymodels:deep batch 256" and data["budget_bytes"] == int(lb + 0.4 * (up - lb))
     best = data["convergence"]["best"]
-    assert len(best) == 4 and best[-1] == pytest.approx(data["predicted_step_time"])
+    assert best[-1] == pytest.approx(data["predicted_step_time"])
+    # Every iteration, unless a plan as fast as the stage times allow (no stall, no replay)
+    # stopped the swarm early.
+    assert len(best) == 4 or (len(best) < 4 and data["predicted_step_time"] == pytest.approx(data["compute_time"], rel=1e-12))
 
 
 def test_timeline_profiles_a_users_model(tmp_path, capsys):

@@ -159,7 +159,52 @@ def test_search_results_do_not_depend_on_thread_count(p, seed, frac):
         return
     two = tp.plan_profile(p, budget, threads=2, **kw)
     assert one.actions == two.actions
-    assert one.convergence == {**two.convergence, "elapsed": one.convergence["elapsed"]}
+    assert _untimed(one.convergence) == _untimed(two.convergence)
+
+
+def _untimed(convergence):
+    """A search's trace without its wall times."""
+    c = {k: v for k, v in convergence.items() if k != "elapsed"}
+    c["phases"] = [{k: v for k, v in ph.items() if k != "seconds"} for ph in c["phases"]]
+    return c
+
+
+def _has_blocks(p) -> bool:
+    try:
+        tp.plan_profile(p, BIG, "checkpoint-blocks")
+    except tp.PlannerError:
+        return False
+    return True
+
+
+@settings(max_examples=40, deadline=None)
+@given(dag_profiles(max_units=12, checkpointable=True), st.floats(0.3, 1.0), st.sampled_from([None, True, False]))
+def test_block_wise_plans_are_evaluated_plans_and_never_worse_than_the_fixed_ones(p, frac, block_wise):
+    """The block-wise search (rust_core/src/blockwise.rs) on profiles of repeated blocks: its plan
+    is the evaluator's, within the budget, and never worse than the plans it starts from (every unit
+    retained, swapped or recomputed, per-block checkpoint)."""
+    budget = max(1, tp.lower_bound(p), int(tp.unplanned_peak(p) * frac))
+    kw = dict(particles=16, iterations=6, seed=3, block_wise=block_wise)
+    try:
+        plan = tp.plan_profile(p, budget, **kw)
+    except tp.BudgetError:
+        return
+    searched = plan.settings["block_wise_searched"]
+    # By default only above 400 units; these have at most 12.
+    assert searched == (block_wise is True and _has_blocks(p))
+    r = tp.evaluate(p, plan.actions, budget)
+    assert r["feasible"] and r["peak_bytes"] <= budget
+    assert r["step_time"] == plan.predicted["step_time"]
+    for method in ("retain", "swap-all", "recompute-all", "checkpoint-blocks"):
+        try:
+            other = tp.plan_profile(p, budget, method)
+        except (tp.BudgetError, tp.PlannerError):
+            continue
+        assert plan.predicted["step_time"] <= other.predicted["step_time"] * (1 + 1e-12)
+    # The phases of a block-wise search: the tied space first, then every level to all units.
+    names = [ph["name"] for ph in plan.convergence["phases"]]
+    assert all(n.startswith("blocks:") for n in names) == searched
+    assert plan.convergence["evaluations"] == sum(ph["evaluations"] for ph in plan.convergence["phases"])
 
 
 @settings(max_examples=30, deadline=None)

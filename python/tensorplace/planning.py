@@ -259,6 +259,7 @@ def plan_profile(
     reserved_rounds: int = 8,
     restarts: int = 3,
     relinks: int = 6,
+    block_wise: Optional[bool] = None,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
@@ -286,6 +287,16 @@ def plan_profile(
     found between polished plans by path relinking; the last two only ever improve the plan and
     about double the default search's time (docs/methods.md, "PSO extensions"; 0 turns each off,
     as quick searches with few particles may want: there the polishes dominate the time).
+
+    `block_wise`: models of repeated blocks (Transformer layers, ResNet stages; found from the unit
+    names) are searched block-wise: the swarm and its extensions first plan one set of actions per
+    class of equal blocks, then the blocks are untied in halves down to single blocks, polished at
+    each level (docs/methods.md, "Block-wise search"). None (the default): block-wise above 400
+    units, over every unit below (the search over every unit costs about units^2.5); True or
+    False forces it. The swarm stops early, and nothing runs after it, when its best plan fits with
+    no stall and no replay (no plan is faster), so ``convergence["best"]`` may be shorter than
+    `iterations`; ``convergence["phases"]`` lists each phase's time, evaluations and simulated
+    stages.
 
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
@@ -352,6 +363,7 @@ def plan_profile(
         reserved_rounds=reserved_rounds,
         restarts=restarts,
         relinks=relinks,
+        block_wise=block_wise,
     )
     return _with_fixed_memory(json.loads(data), profile)
 

@@ -829,9 +829,9 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
     loop {
         // The events of a retried run would be reported twice: find the schedule without them.
         let out = if E::ENABLED {
-            simulate(g, actions, starts, swaps, budget, opts, scratch, false, &mut NoEvents)
+            simulate(g, actions, starts, swaps, budget, opts, scratch, false, &mut NoEvents, None).expect("no bound")
         } else {
-            simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev)
+            simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None).expect("no bound")
         };
         let mut moved = false;
         for k in 0..scratch.retract.len() {
@@ -842,12 +842,14 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
             }
         }
         if !moved {
-            return if E::ENABLED { simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev) } else { out };
+            return if E::ENABLED { simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None).expect("no bound") } else { out };
         }
     }
 }
 
 /// One simulated step, with the prefetches ahead of their need limited by `scratch.issue_from`.
+/// With `hooks` (crate::incremental; search evaluations only) it may start from a saved state,
+/// save states at forward stages, and stop early (None) once the plan cannot beat a bound.
 #[allow(clippy::too_many_arguments)]
 fn simulate<E: MemoryEvents>(
     g: &Graph,
@@ -859,7 +861,8 @@ fn simulate<E: MemoryEvents>(
     scratch: &mut Scratch,
     record: bool,
     ev: &mut E,
-) -> Outcome {
+    mut hooks: Option<&mut Hooks>,
+) -> Option<Outcome> {
     assert_eq!(actions.len(), g.n, "one action per unit");
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
@@ -985,8 +988,15 @@ fn simulate<E: MemoryEvents>(
         }
     }
 
-    // Forward stages.
-    for i in 0..n {
+    // Forward stages (from a saved state's stage when resuming).
+    let first = match hooks.as_deref_mut() {
+        Some(h) => h.resume(&mut sim),
+        None => 0,
+    };
+    for i in first..n {
+        if let Some(h) = hooks.as_deref_mut() {
+            h.save(i, &sim);
+        }
         let t0 = sim.t;
         sim.begin_stage(Stage::Fwd(i));
         for k in 0..schedule.at_fwd[i].len() {
@@ -1055,6 +1065,9 @@ fn simulate<E: MemoryEvents>(
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
+        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&sim, Stage::Fwd(i))) {
+            return None;
+        }
     }
     // A segment none of whose units has activations is never replayed: its held inputs leave
     // when the forward ends.
@@ -1136,6 +1149,9 @@ fn simulate<E: MemoryEvents>(
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
+        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&sim, Stage::Bwd(i))) {
+            return None;
+        }
     }
 
     // The optimizer step: one call when nothing is swapped across iterations; else one stage per
@@ -1190,7 +1206,7 @@ fn simulate<E: MemoryEvents>(
     };
     let compute_time: f64 = g.fwd_time.iter().sum::<f64>() + g.bwd_time.iter().sum::<f64>() + opt_time;
     let feasible = sim.excess == 0;
-    Outcome {
+    Some(Outcome {
         step_time: sim.t,
         compute_time,
         swap_stall: sim.stall,
@@ -1212,10 +1228,205 @@ fn simulate<E: MemoryEvents>(
         replays: sim.replays,
         state_prefetch: sim.state_prefetch,
         state_deadlines: sim.state_deadlines,
-    }
+    })
 }
 
 /// Score only (the search's hot path).
 pub fn score(g: &Graph, actions: &[Action], budget: u64, opts: &EvalOptions, scratch: &mut Scratch) -> Score {
     evaluate(g, actions, budget, opts, scratch, false).score()
+}
+
+// ---- Incremental evaluation (crate::incremental): saved states and a bound -------------------
+//
+// The search's moves change a plan from some unit on. A forward stage Fi reads the actions (and
+// what follows from them: runs, held bytes) of units up to i only, so the state at the start of
+// Fi is the same for every plan that agrees on the units before i: a search saves it once for
+// its current plan and resumes this same simulation from it. These hooks are the only addition
+// to the simulation for that; its rules stay in one place.
+
+/// What the simulation carries from one stage to the next that does not follow from the plan:
+/// saved at the start of a forward stage. (Parameters and optimizer state swapped across
+/// iterations are not saved: hooked evaluations have none.)
+#[derive(Debug, Clone, Default)]
+pub struct SimState {
+    /// The forward stage at whose start the state was saved.
+    pub stage: usize,
+    head: usize,
+    t: f64,
+    h: f64,
+    host_time: f64,
+    copy_free: [f64; 2],
+    mem: u64,
+    peak: u64,
+    peak_stage: Option<Stage>,
+    stall: f64,
+    recompute: f64,
+    copy_time: f64,
+    cancelled: usize,
+    excess: u64,
+    reason: Option<String>,
+    resident: Vec<bool>,
+    host: Vec<bool>,
+    ready: Vec<f64>,
+    in_queue: Vec<bool>,
+    held: Vec<bool>,
+    lingering: Vec<u64>,
+    replayed: Vec<bool>,
+    queue: Vec<(f64, u32)>,
+}
+
+impl SimState {
+    fn capture<E: MemoryEvents>(&mut self, stage: usize, sim: &Sim<E>) {
+        self.stage = stage;
+        self.head = sim.head;
+        self.t = sim.t;
+        self.h = sim.h;
+        self.host_time = sim.host;
+        self.copy_free = sim.copy_free;
+        self.mem = sim.mem;
+        self.peak = sim.peak;
+        self.peak_stage = Some(sim.peak_stage);
+        self.stall = sim.stall;
+        self.recompute = sim.recompute;
+        self.copy_time = sim.copy_time;
+        self.cancelled = sim.cancelled;
+        self.excess = sim.excess;
+        self.reason.clone_from(&sim.reason);
+        let s = &sim.s;
+        self.resident.clone_from(&s.resident);
+        self.host.clone_from(&s.host);
+        self.ready.clone_from(&s.ready);
+        self.in_queue.clone_from(&s.in_queue);
+        self.held.clone_from(&s.held);
+        self.lingering.clone_from(&s.lingering);
+        self.replayed.clone_from(&s.replayed);
+        self.queue.clone_from(&s.queue);
+    }
+
+    fn restore<E: MemoryEvents>(&self, sim: &mut Sim<E>) {
+        sim.head = self.head;
+        sim.t = self.t;
+        sim.h = self.h;
+        sim.host = self.host_time;
+        sim.copy_free = self.copy_free;
+        sim.mem = self.mem;
+        sim.peak = self.peak;
+        sim.peak_stage = self.peak_stage.expect("a saved state");
+        sim.stall = self.stall;
+        sim.recompute = self.recompute;
+        sim.copy_time = self.copy_time;
+        sim.cancelled = self.cancelled;
+        sim.excess = self.excess;
+        sim.reason.clone_from(&self.reason);
+        let s = &mut sim.s;
+        s.resident.copy_from_slice(&self.resident);
+        s.host.copy_from_slice(&self.host);
+        s.ready.copy_from_slice(&self.ready);
+        s.in_queue.copy_from_slice(&self.in_queue);
+        s.held.copy_from_slice(&self.held);
+        s.lingering.copy_from_slice(&self.lingering);
+        s.replayed.copy_from_slice(&self.replayed);
+        s.queue.clone_from(&self.queue);
+    }
+}
+
+/// How a search evaluation uses the simulation (crate::incremental).
+pub(crate) struct Hooks<'h> {
+    /// Start from this state, saved by an evaluation of a plan that agrees with this one on
+    /// every unit before its stage (under the same budget, options and segment starts).
+    pub resume: Option<&'h SimState>,
+    /// Save the state at the start of forward stage `k * stride` into `save[k - first_slot]`
+    /// (where that slot exists; 0: save nothing).
+    pub stride: usize,
+    pub first_slot: usize,
+    pub save: &'h mut [SimState],
+    /// Stop as soon as the plan cannot beat this score: after stage Fi its step ends no sooner
+    /// than now plus `rest_after_fwd[i]` (the stage times still to run), after Bi
+    /// `rest_after_bwd[i]`, and its excess over the budget never shrinks.
+    pub bound: Option<Score>,
+    pub rest_after_fwd: &'h [f64],
+    pub rest_after_bwd: &'h [f64],
+    /// Forward and backward stages simulated (counted at their end).
+    pub stages: u64,
+    /// The plan swaps (set by [`score_hooked`]): until a stage first overflows, a later first
+    /// overflow may have the step simulated again with prefetches moved ([`run_with_events`]).
+    pub swaps: bool,
+}
+
+impl Hooks<'_> {
+    fn resume<E: MemoryEvents>(&self, sim: &mut Sim<E>) -> usize {
+        match self.resume {
+            Some(state) => {
+                state.restore(sim);
+                state.stage
+            }
+            None => 0,
+        }
+    }
+
+    fn save<E: MemoryEvents>(&mut self, stage: usize, sim: &Sim<E>) {
+        if self.stride > 0 && stage % self.stride == 0 {
+            let slot = stage / self.stride;
+            if slot >= self.first_slot && slot - self.first_slot < self.save.len() {
+                self.save[slot - self.first_slot].capture(stage, sim);
+            }
+        }
+    }
+
+    /// The plan, simulated up to the end of `stage`, ends strictly worse than the bound. (A
+    /// relative margin of 1e-9 covers the rounding of the remaining stage times' sum.)
+    fn cannot_beat<E: MemoryEvents>(&mut self, sim: &Sim<E>, stage: Stage) -> bool {
+        self.stages += 1;
+        let Some(b) = self.bound else { return false };
+        let rest = match stage {
+            Stage::Fwd(i) => self.rest_after_fwd[i],
+            Stage::Bwd(i) => self.rest_after_bwd[i],
+            _ => return false,
+        };
+        // The step is simulated again when its first overflow blamed prefetches issued ahead of
+        // their need (run_with_events); before a first overflow, a plan with swaps may still
+        // have one. Only a run that is the last one is stopped (so the score is the full one's).
+        if !sim.s.retract.is_empty() {
+            return false;
+        }
+        let last_run = sim.reason.is_some() || !self.swaps;
+        let slower = last_run && sim.t + rest > b.time + b.time.abs() * 1e-9;
+        if b.feasible {
+            sim.excess > 0 || slower
+        } else {
+            sim.excess > b.excess || (sim.excess == b.excess && slower)
+        }
+    }
+}
+
+/// A search evaluation with hooks: the plan's score, or None when it stopped because the plan
+/// cannot beat `hooks.bound`. Without swaps across iterations, events or records.
+pub(crate) fn score_hooked(
+    g: &Graph,
+    actions: &[Action],
+    starts: &[bool],
+    budget: u64,
+    opts: &EvalOptions,
+    scratch: &mut Scratch,
+    hooks: &mut Hooks,
+) -> Option<Score> {
+    // run_with_events' retries, each resumed from the same saved state (prefetches are issued in
+    // the backward only, so the forward states do not depend on when)
+    hooks.swaps = actions.contains(&Action::Swap);
+    scratch.issue_from.clear();
+    scratch.issue_from.resize(g.n, usize::MAX);
+    loop {
+        let out = simulate(g, actions, starts, &StateSwaps::none(), budget, opts, scratch, false, &mut NoEvents, Some(&mut *hooks));
+        let mut moved = false;
+        for k in 0..scratch.retract.len() {
+            let (u, stage) = scratch.retract[k];
+            if scratch.issue_from[u] > stage - 1 {
+                scratch.issue_from[u] = stage - 1;
+                moved = true;
+            }
+        }
+        if !moved {
+            return out.map(|o| o.score());
+        }
+    }
 }

@@ -6,7 +6,10 @@
 //! - [`state_swap`]: parameters and optimizer state swapped across iterations (TENSILE).
 //! - [`peak`]: peak analysis and the lower bound of any plan.
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3); [`polish`]: the local search
-//!   after it; [`relink`]: path relinking between polished plans, last.
+//!   after it; [`relink`]: path relinking between polished plans, last; [`blockwise`]: the
+//!   search of models of repeated blocks, one plan per class of blocks first; [`space`]: the
+//!   dimensions these searches move in.
+//! - [`incremental`]: the search's moves evaluated from saved states, stopped by a bound.
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
@@ -19,9 +22,11 @@
 pub mod action;
 pub mod alloc_sequence;
 pub mod allocator;
+pub mod blockwise;
 pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
+pub mod incremental;
 pub mod memory_curve;
 pub mod methods;
 pub mod peak;
@@ -33,6 +38,7 @@ pub mod relink;
 pub mod pso;
 pub mod recipes;
 pub mod reserved;
+pub mod space;
 pub mod state_swap;
 pub mod versioned;
 

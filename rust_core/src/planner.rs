@@ -42,7 +42,10 @@ pub struct PlanSettings {
 
 fn trace_json(t: &Trace) -> serde_json::Value {
     json!({"best": t.best, "mean": t.mean, "worst": t.worst, "feasible": t.feasible,
-           "elapsed": t.elapsed, "evaluations": t.evaluations})
+           "elapsed": t.elapsed, "evaluations": t.evaluations,
+           "stages": t.stages,
+           "phases": t.phases.iter().map(|p| json!({"name": p.name, "seconds": p.seconds, "evaluations": p.evaluations,
+                                                   "stages": p.stages, "best": p.best})).collect::<Vec<_>>()})
 }
 
 /// Plan `profile` under `budget` bytes with `method`.
@@ -93,11 +96,15 @@ pub fn make_plan(
                 // Start from per-block checkpoint too, so the search is never worse than it.
                 s.seeds.extend(recipes::checkpoint_blocks(profile));
             }
+            if s.blocks.is_empty() {
+                s.blocks = recipes::repeated_block_classes(profile);
+            }
             let r = pso::search(&g, budget, &settings.eval, &s, on_iteration)?;
             let js = json!({"particles": s.particles, "iterations": s.iterations, "seed": s.seed,
                             "threads": s.threads, "seed_extremes": s.seed_extremes,
                             "seed_heuristics": seeded, "polish": s.polish,
                             "restarts": s.restarts, "relinks": s.relinks,
+                            "block_wise": s.block_wise, "block_wise_searched": crate::blockwise::block_wise(g.n, &s),
                             "mutation": s.mutation, "patience": s.patience, "eval": eval_json});
             (r.actions, js, Some(trace_json(&r.trace)))
         }

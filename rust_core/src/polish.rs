@@ -28,8 +28,10 @@
 //! order is taken, so the result and the evaluation count do not depend on the thread count.
 
 use crate::action::Action;
-use crate::evaluator::{score, EvalOptions, Score, Scratch};
+use crate::evaluator::{EvalOptions, Score};
+use crate::incremental::{Base, Context, Worker};
 use crate::profile::Graph;
+use crate::space::Space;
 use rayon::prelude::*;
 
 /// Most repairs after the first change of an ejection chain.
@@ -47,7 +49,7 @@ pub const PAIR_WINDOW: usize = 8;
 /// depend on the thread count).
 const BATCH: usize = 64;
 
-/// A change of one or two units.
+/// A change of one or two dimensions of the space (a unit each in the full space).
 #[derive(Debug, Clone, Copy)]
 struct Move {
     first: (usize, Action),
@@ -55,81 +57,153 @@ struct Move {
 }
 
 impl Move {
-    fn apply(&self, plan: &mut [Action]) {
-        plan[self.first.0] = self.first.1;
-        if let Some((u, a)) = self.second {
-            plan[u] = a;
+    fn apply(&self, space: &Space, plan: &mut [Action]) {
+        space.set(plan, self.first.0, self.first.1);
+        if let Some((k, a)) = self.second {
+            space.set(plan, k, a);
         }
     }
 
-    fn undo(&self, plan: &mut [Action], from: &[Action]) {
-        plan[self.first.0] = from[self.first.0];
-        if let Some((u, _)) = self.second {
-            plan[u] = from[u];
+    fn undo(&self, space: &Space, plan: &mut [Action], from: &[Action]) {
+        space.reset(plan, self.first.0, from);
+        if let Some((k, _)) = self.second {
+            space.reset(plan, k, from);
         }
+    }
+
+    /// The first unit the move changes.
+    fn first_unit(&self, space: &Space) -> usize {
+        let f = space.first(self.first.0);
+        self.second.map_or(f, |(k, _)| f.min(space.first(k)))
     }
 }
 
-/// The local search's state: the evaluator's inputs and the evaluations made so far.
+/// The local search's state: the evaluator's inputs, the current plans' saved states
+/// (crate::incremental) and the evaluations made so far.
 pub(crate) struct Polisher<'a> {
     g: &'a Graph,
-    budget: u64,
-    opts: &'a EvalOptions,
+    space: &'a Space,
     pool: &'a rayon::ThreadPool,
-    scratch: Scratch,
+    ctx: Context<'a>,
+    /// The same profile with unlimited memory (the ejection chains' first changes).
+    free_ctx: Context<'a>,
+    base: Option<Base>,
+    free_base: Option<Base>,
+    worker: Worker,
     evaluations: u64,
-    /// Pairs of the descent at most this far apart.
+    /// Stages simulated by the parallel scans (the worker counts the rest).
+    stages: u64,
+    /// Per dimension: some unit of it can be swapped (it has activations and a backward reader).
+    swappable: Vec<bool>,
+    /// Pairs of the descent at most this far apart (in dimensions).
     window: usize,
+    /// Ejection chains change only dimensions at most this far from their first change (None:
+    /// any).
+    pub(crate) chain_window: Option<usize>,
 }
 
 impl<'a> Polisher<'a> {
-    pub(crate) fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions, pool: &'a rayon::ThreadPool) -> Self {
-        Polisher { g, budget, opts, pool, scratch: Scratch::new(g.n), evaluations: 0, window: PAIR_WINDOW }
+    pub(crate) fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions, pool: &'a rayon::ThreadPool, space: &'a Space) -> Self {
+        let ctx = Context::new(g, budget, opts);
+        let free_ctx = ctx.with_budget(u64::MAX);
+        let swappable =
+            (0..space.dims()).map(|k| space.group(k).iter().any(|&u| g.act[u] > 0 && g.first_need[u].is_some())).collect();
+        Polisher {
+            g,
+            space,
+            pool,
+            ctx,
+            free_ctx,
+            base: None,
+            free_base: None,
+            worker: Worker::new(g.n),
+            evaluations: 0,
+            stages: 0,
+            swappable,
+            window: PAIR_WINDOW,
+            chain_window: None,
+        }
     }
 
     pub(crate) fn evaluations(&self) -> u64 {
         self.evaluations
     }
 
-    /// Scores of `plan` with each of `changes` (one unit set to one action) applied alone, in
-    /// parallel (in order, whatever the thread count).
-    pub(crate) fn scores_of_changes(&mut self, plan: &[Action], changes: &[(usize, Action)]) -> Vec<Score> {
+    /// Forward and backward stages simulated (incremental evaluations simulate fewer than two
+    /// per unit).
+    pub(crate) fn stages(&self) -> u64 {
+        self.stages + self.worker.stages
+    }
+
+    /// Scores of `plan` with each of `changes` (one dimension set to one action) applied alone,
+    /// in parallel (in order, whatever the thread count). The first change is evaluated first
+    /// and bounds the others: a change it beats is not the best one, and scores None.
+    pub(crate) fn scores_of_changes(&mut self, plan: &[Action], changes: &[(usize, Action)]) -> Vec<Option<Score>> {
         let moves: Vec<Move> = changes.iter().map(|&first| Move { first, second: None }).collect();
-        self.scores(plan, &moves, self.budget)
+        let Some(head) = moves.first() else { return Vec::new() };
+        let s0 = self.scores(plan, std::slice::from_ref(head), false, None)[0];
+        let mut out = vec![s0];
+        out.extend(self.scores(plan, &moves[1..], false, s0));
+        out
     }
 
-    fn score(&mut self, plan: &[Action]) -> Score {
+    /// Make the saved states of `free` (unlimited memory) or the budget's those of `plan`.
+    fn ensure_base(&mut self, plan: &[Action], free: bool) {
+        let (ctx, slot) = if free { (&self.free_ctx, &mut self.free_base) } else { (&self.ctx, &mut self.base) };
+        match slot {
+            Some(b) if b.plan == plan => {}
+            Some(b) => ctx.rebase(b, plan, &mut self.worker),
+            None => *slot = Some(ctx.base(plan, &mut self.worker)),
+        }
+    }
+
+    /// Set dimension `k` of `plan` to `a` and score it (None: strictly worse than `bound`). The
+    /// change stays; the caller undoes it.
+    fn set_and_score(&mut self, plan: &mut [Action], k: usize, a: Action, bound: Option<Score>) -> Option<Score> {
+        self.ensure_base(plan, false);
+        self.space.set(plan, k, a);
         self.evaluations += 1;
-        score(self.g, plan, self.budget, self.opts, &mut self.scratch)
+        let base = self.base.as_ref().expect("a base");
+        self.ctx.score(base, plan, self.space.first(k), bound, &mut self.worker)
     }
 
-    /// Scores of `moves` applied (each alone) to `plan` under `budget`, in parallel.
-    fn scores(&mut self, plan: &[Action], moves: &[Move], budget: u64) -> Vec<Score> {
-        let (g, opts, n) = (self.g, self.opts, self.g.n);
+    /// Scores of `moves` applied (each alone) to `plan` (under unlimited memory when `free`), in
+    /// parallel; None for a move strictly worse than `bound`.
+    fn scores(&mut self, plan: &[Action], moves: &[Move], free: bool, bound: Option<Score>) -> Vec<Option<Score>> {
+        if moves.is_empty() {
+            return Vec::new();
+        }
+        self.ensure_base(plan, free);
         self.evaluations += moves.len() as u64;
-        self.pool.install(|| {
+        let (ctx, base) = if free { (&self.free_ctx, &self.free_base) } else { (&self.ctx, &self.base) };
+        let base = base.as_ref().expect("a base");
+        let (space, n) = (self.space, self.g.n);
+        let results: Vec<(Option<Score>, u64)> = self.pool.install(|| {
             moves
                 .par_iter()
                 .map_init(
-                    || (Scratch::new(n), plan.to_vec()),
-                    |(scratch, p), m| {
-                        m.apply(p);
-                        let s = score(g, p, budget, opts, scratch);
-                        m.undo(p, plan);
-                        s
+                    || (Worker::new(n), plan.to_vec()),
+                    |(w, p), m| {
+                        m.apply(space, p);
+                        let before = w.stages;
+                        let s = ctx.score(base, p, m.first_unit(space), bound, w);
+                        m.undo(space, p, plan);
+                        (s, w.stages - before)
                     },
                 )
                 .collect()
-        })
+        });
+        self.stages += results.iter().map(|r| r.1).sum::<u64>();
+        results.into_iter().map(|r| r.0).collect()
     }
 
     /// The first of `moves` (in order) that makes `plan` better than `current`, evaluated in
     /// batches; with its score.
     fn first_better(&mut self, plan: &[Action], current: &Score, moves: &[Move]) -> Option<(usize, Score)> {
         for (c, chunk) in moves.chunks(BATCH).enumerate() {
-            let scores = self.scores(plan, chunk, self.budget);
-            if let Some(k) = scores.iter().position(|s| s.better_than(current)) {
-                return Some((c * BATCH + k, scores[k]));
+            let scores = self.scores(plan, chunk, false, Some(*current));
+            if let Some((k, s)) = scores.iter().enumerate().find_map(|(k, s)| s.filter(|s| s.better_than(current)).map(|s| (k, s))) {
+                return Some((c * BATCH + k, s));
             }
         }
         None
@@ -137,7 +211,8 @@ impl<'a> Polisher<'a> {
 
     /// Descent by single and pair moves, first improvement in scan order, until none improves.
     fn descend(&mut self, plan: &mut [Action], current: &mut Score) {
-        let (n, window) = (self.g.n, self.window);
+        let (space, window) = (self.space, self.window);
+        let n = space.dims();
         let mut moves: Vec<Move> = Vec::new();
         loop {
             let mut improved = false;
@@ -146,16 +221,19 @@ impl<'a> Polisher<'a> {
                 moves.clear();
                 for j in from..n {
                     for a in Action::ALL {
-                        if a != plan[j] {
+                        if a != space.action(plan, j) {
                             moves.push(Move { first: (j, a), second: None });
                         }
                     }
                 }
                 let Some((k, s)) = self.first_better(plan, current, &moves) else { break };
-                moves[k].apply(plan);
+                moves[k].apply(space, plan);
                 *current = s;
                 improved = true;
                 from = moves[k].first.0 + 1;
+                if self.ctx.is_optimal(current) {
+                    return;
+                }
             }
             if improved {
                 continue;
@@ -172,7 +250,7 @@ impl<'a> Polisher<'a> {
                         rj = ri + 1;
                         continue;
                     }
-                    let (oi, oj) = (plan[ri], plan[rj]);
+                    let (oi, oj) = (space.action(plan, ri), space.action(plan, rj));
                     if !(oi == Action::Retain && oj == Action::Retain) {
                         for ai in Action::ALL {
                             for aj in Action::ALL {
@@ -186,9 +264,12 @@ impl<'a> Polisher<'a> {
                 }
                 match self.first_better(plan, current, &moves) {
                     Some((k, s)) => {
-                        moves[k].apply(plan);
+                        moves[k].apply(space, plan);
                         *current = s;
                         improved = true;
+                        if self.ctx.is_optimal(current) {
+                            return;
+                        }
                         let (pi, (pj, _)) = (moves[k].first.0, moves[k].second.expect("a pair"));
                         (i, from) = (pi, pj + 1);
                     }
@@ -201,22 +282,21 @@ impl<'a> Polisher<'a> {
         }
     }
 
-    /// Swap every retained unit (not `locked`) whose swap makes the plan no worse and no slower,
-    /// in unit order, each on top of the earlier ones. Returns whether any unit changed.
+    /// Swap every retained dimension (not `locked`) whose swap makes the plan no worse and no
+    /// slower, in order, each on top of the earlier ones. Returns whether any changed.
     fn free_swaps(&mut self, plan: &mut [Action], current: &mut Score, locked: &[bool]) -> bool {
-        let g = self.g;
+        let space = self.space;
         let mut changed = false;
-        for j in 0..g.n {
-            if plan[j] != Action::Retain || locked[j] || g.act[j] == 0 || g.first_need[j].is_none() {
+        for j in 0..space.dims() {
+            if space.action(plan, j) != Action::Retain || locked[j] || !self.swappable[j] {
                 continue;
             }
-            plan[j] = Action::Swap;
-            let s = self.score(plan);
-            if !current.better_than(&s) && s.time <= current.time {
-                *current = s;
-                changed = true;
-            } else {
-                plan[j] = Action::Retain;
+            match self.set_and_score(plan, j, Action::Swap, Some(*current)) {
+                Some(s) if !current.better_than(&s) && s.time <= current.time => {
+                    *current = s;
+                    changed = true;
+                }
+                _ => space.set(plan, j, Action::Retain),
             }
         }
         changed
@@ -224,49 +304,55 @@ impl<'a> Polisher<'a> {
 
     /// Undo every swap the plan does without at no cost.
     fn tidy(&mut self, plan: &mut [Action], current: &mut Score) {
-        for j in 0..self.g.n {
-            if plan[j] != Action::Swap {
+        let space = self.space;
+        for j in 0..space.dims() {
+            if space.action(plan, j) != Action::Swap {
                 continue;
             }
-            plan[j] = Action::Retain;
-            let s = self.score(plan);
-            if !current.better_than(&s) {
-                *current = s;
-            } else {
-                plan[j] = Action::Swap;
+            match self.set_and_score(plan, j, Action::Retain, Some(*current)) {
+                Some(s) if !current.better_than(&s) => *current = s,
+                _ => space.set(plan, j, Action::Swap),
             }
         }
     }
 
     /// The repair of an ejection chain from `cur` (score `cs`), among the single changes of
-    /// units not `locked`: the one that makes the chain beat `target` (the plan it started from)
-    /// by the most; else one that makes `cur` better than `cs`: when `cs` fits, the fastest; when
-    /// not, the one that costs the least step time per byte of excess it removes (the first in
-    /// unit order on a tie).
+    /// dimensions not `locked`: the one that makes the chain beat `target` (the plan it started
+    /// from) by the most; else one that makes `cur` better than `cs`: when `cs` fits, the
+    /// fastest; when not, the one that costs the least step time per byte of excess it removes
+    /// (the first in order on a tie). (`cs` is not better than `target`, so a change that does
+    /// not beat `cs` does neither, and is not evaluated to the end; nor, when `cs` does not fit,
+    /// is one that does not lower its excess.)
     fn repair(&mut self, cur: &[Action], cs: &Score, locked: &[bool], target: &Score) -> Option<(Move, Score)> {
+        let space = self.space;
         let mut moves = Vec::new();
-        for k in 0..self.g.n {
+        for k in 0..space.dims() {
             if !locked[k] {
                 for b in Action::ALL {
-                    if b != cur[k] {
+                    if b != space.action(cur, k) {
                         moves.push(Move { first: (k, b), second: None });
                     }
                 }
             }
         }
-        let scores = self.scores(cur, &moves, self.budget);
+        // When `cs` does not fit, a change that leaves its excess is worth nothing (it frees no
+        // memory, and a change that beats `target` fits): such changes score None.
+        let bound = if cs.feasible { *cs } else { Score { feasible: false, excess: cs.excess - 1, time: f64::INFINITY } };
+        let scores = self.scores(cur, &moves, false, Some(bound));
         // A change that makes the chain beat the plan it started from ends it: the best such.
-        let mut win: Option<usize> = None;
+        let mut win: Option<(usize, Score)> = None;
         for (k, s) in scores.iter().enumerate() {
-            if s.better_than(target) && win.map_or(true, |w| s.better_than(&scores[w])) {
-                win = Some(k);
+            let Some(s) = s else { continue };
+            if s.better_than(target) && win.map_or(true, |(_, w)| s.better_than(&w)) {
+                win = Some((k, *s));
             }
         }
-        if let Some(k) = win {
-            return Some((moves[k], scores[k]));
+        if let Some((k, s)) = win {
+            return Some((moves[k], s));
         }
-        let mut pick: Option<(f64, usize)> = None;
+        let mut pick: Option<(f64, usize, Score)> = None;
         for (k, s) in scores.iter().enumerate() {
+            let Some(s) = s else { continue };
             if !s.better_than(cs) {
                 continue;
             }
@@ -279,11 +365,11 @@ impl<'a> Polisher<'a> {
                 }
                 (s.time - cs.time) / freed as f64
             };
-            if pick.map_or(true, |(v, _)| value < v) {
-                pick = Some((value, k));
+            if pick.map_or(true, |(v, _, _)| value < v) {
+                pick = Some((value, k, *s));
             }
         }
-        pick.map(|(_, k)| (moves[k], scores[k]))
+        pick.map(|(_, k, s)| (moves[k], s))
     }
 
     /// One pass of ejection chains from `plan` (module documentation). Returns whether the plan
@@ -292,19 +378,25 @@ impl<'a> Polisher<'a> {
         if !current.feasible {
             return false;
         }
-        let n = self.g.n;
+        let space = self.space;
+        let n = space.dims();
         let mut moves = Vec::new();
         for j in 0..n {
             for a in Action::ALL {
-                if a != plan[j] {
+                if a != space.action(plan, j) {
                     moves.push(Move { first: (j, a), second: None });
                 }
             }
         }
-        // The step time of each change with unlimited memory.
-        let free = self.scores(plan, &moves, u64::MAX);
-        let mut firsts: Vec<(f64, Move)> =
-            free.iter().zip(&moves).filter(|(s, _)| s.time < current.time).map(|(s, m)| (s.time, *m)).collect();
+        // The step time of each change with unlimited memory (those not faster than the plan
+        // are not evaluated to the end: they are not first changes).
+        let bound = Score { feasible: true, excess: 0, time: current.time };
+        let free = self.scores(plan, &moves, true, Some(bound));
+        let mut firsts: Vec<(f64, Move)> = free
+            .iter()
+            .zip(&moves)
+            .filter_map(|(s, m)| s.filter(|s| s.time < current.time).map(|s| (s.time, *m)))
+            .collect();
         firsts.sort_by(|x, y| x.0.total_cmp(&y.0));
         let mut improved = false;
         let mut cur = plan.clone();
@@ -312,14 +404,16 @@ impl<'a> Polisher<'a> {
         firsts.truncate(CHAINS_PER_PASS);
         for &(free_time, first) in &firsts {
             let (j, a) = first.first;
-            if plan[j] == a || free_time >= current.time {
+            if space.action(plan, j) == a || free_time >= current.time {
                 continue;
             }
             cur.clone_from(plan);
-            locked.iter_mut().for_each(|l| *l = false);
-            cur[j] = a;
+            match self.chain_window {
+                None => locked.iter_mut().for_each(|l| *l = false),
+                Some(w) => locked.iter_mut().enumerate().for_each(|(k, l)| *l = k.abs_diff(j) > w),
+            }
             locked[j] = true;
-            let mut cs = self.score(&cur);
+            let mut cs = self.set_and_score(&mut cur, j, a, None).expect("no bound");
             self.free_swaps(&mut cur, &mut cs, &locked);
             // Once the chain fits, one more repair (the fastest change): a chain that wins
             // does so then, if at all.
@@ -332,7 +426,7 @@ impl<'a> Polisher<'a> {
                     fitting_repairs += 1;
                 }
                 let Some((m, s)) = self.repair(&cur, &cs, &locked, current) else { break };
-                m.apply(&mut cur);
+                m.apply(space, &mut cur);
                 locked[m.first.0] = true;
                 cs = s;
             }
@@ -340,21 +434,36 @@ impl<'a> Polisher<'a> {
                 plan.clone_from(&cur);
                 *current = cs;
                 improved = true;
+                if self.ctx.is_optimal(current) {
+                    break;
+                }
             }
         }
         improved
     }
 
     /// Polish one plan (module documentation) with pairs at most [`PAIR_WINDOW`] apart.
+    /// (A plan no plan can beat, crate::incremental's `Context::is_optimal`, is only tidied.)
     pub(crate) fn polish(&mut self, mut plan: Vec<Action>, mut current: Score) -> (Vec<Action>, Score) {
-        loop {
+        while !self.ctx.is_optimal(&current) {
             self.descend(&mut plan, &mut current);
-            if !current.feasible || !self.eject(&mut plan, &mut current) {
+            if !current.feasible || self.ctx.is_optimal(&current) || !self.eject(&mut plan, &mut current) {
                 break;
             }
         }
         self.tidy(&mut plan, &mut current);
         (plan, current)
+    }
+
+    /// Undo every swap `plan` does without at no cost (the polish's last step).
+    pub(crate) fn tidied(&mut self, mut plan: Vec<Action>, mut current: Score) -> (Vec<Action>, Score) {
+        self.tidy(&mut plan, &mut current);
+        (plan, current)
+    }
+
+    /// No plan beats one scoring `s`.
+    pub(crate) fn is_optimal(&self, s: &Score) -> bool {
+        self.ctx.is_optimal(s)
     }
 }
 
@@ -364,18 +473,21 @@ pub struct Polished {
     pub best: (Vec<Action>, Score),
     pub plans: Vec<(Vec<Action>, Score)>,
     pub evaluations: u64,
+    /// Forward and backward stages simulated.
+    pub stages: u64,
 }
 
-/// Polish each start in turn (module documentation), then the best result again with pairs at
-/// any distance (None without starts).
+/// Polish each start (plans of `space`) in turn (module documentation), then the best result
+/// again with pairs at any distance (None without starts).
 pub fn polish(
     g: &Graph,
     budget: u64,
     opts: &EvalOptions,
     pool: &rayon::ThreadPool,
+    space: &Space,
     starts: Vec<(Vec<Action>, Score)>,
 ) -> Option<Polished> {
-    let mut search = Polisher::new(g, budget, opts, pool);
+    let mut search = Polisher::new(g, budget, opts, pool, space);
     let mut best: Option<(Vec<Action>, Score)> = None;
     let mut plans = Vec::new();
     for (plan, s) in starts {
@@ -386,10 +498,10 @@ pub fn polish(
         add_distinct(&mut plans, p, ps);
     }
     let (plan, s) = best?;
-    search.window = g.n;
+    search.window = space.dims();
     let (plan, s) = search.polish(plan, s);
     add_distinct(&mut plans, plan.clone(), s);
-    Some(Polished { best: (plan, s), plans, evaluations: search.evaluations })
+    Some(Polished { best: (plan, s), plans, evaluations: search.evaluations, stages: search.stages() })
 }
 
 /// Add a feasible plan to `plans` unless it is there already.

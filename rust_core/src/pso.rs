@@ -14,12 +14,20 @@
 //! Extensions after the swarm (`PsoSettings`): the polish of its best plans (crate::polish),
 //! restarts (smaller swarms from random plans, each best polished) and path relinking between
 //! the polished plans (crate::relink). Each only adds candidates, so none makes the result worse.
+//!
+//! The swarm and its extensions run in a [`Space`]: one dimension per unit, or (the block-wise
+//! search, crate::blockwise) one per place of a class of repeated blocks. A sweep then sets one
+//! dimension (a group of units) at a time. The candidate the particle's plan already has keeps
+//! its score, and the other is evaluated with that score as a bound (crate::incremental): one
+//! that cannot beat it stops early, which changes nothing but the work.
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
-use crate::evaluator::{score, EvalOptions, Score, Scratch};
+use crate::evaluator::{EvalOptions, Score};
+use crate::incremental::{Context, Worker};
 use crate::polish::{add_distinct, Polisher};
 use crate::profile::Graph;
+use crate::space::Space;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -62,6 +70,13 @@ pub struct PsoSettings {
     /// With the polish: then polish at most this many plans found between polished plans by
     /// path relinking (crate::relink; an extension; it only ever improves the result).
     pub relinks: usize,
+    /// Classes of equal repeated blocks: per class, the unit ranges `(first, last)` of its
+    /// blocks (crate::recipes::repeated_block_classes; `make_plan` fills it from the unit names).
+    pub blocks: Vec<Vec<(usize, usize)>>,
+    /// Search block-wise (crate::blockwise) where the profile has repeated blocks: None (the
+    /// default) when it has more than [`crate::blockwise::FULL_SEARCH_UNITS`] units, Some(true)
+    /// always, Some(false) never.
+    pub block_wise: Option<bool>,
 }
 
 impl Default for PsoSettings {
@@ -81,6 +96,8 @@ impl Default for PsoSettings {
             polish_starts: 3,
             restarts: 3,
             relinks: 6,
+            blocks: Vec::new(),
+            block_wise: None,
         }
     }
 }
@@ -95,6 +112,22 @@ pub struct Trace {
     pub feasible: Vec<usize>,
     pub elapsed: Vec<f64>,
     pub evaluations: u64,
+    /// Forward and backward stages the evaluations simulated (a full evaluation simulates two per
+    /// unit; incremental ones fewer: crate::incremental).
+    pub stages: u64,
+    /// The search's phases in order: (name, seconds, evaluations, stages).
+    pub phases: Vec<Phase>,
+}
+
+/// One phase of the search: its name, wall time, evaluations and simulated stages.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Phase {
+    pub name: String,
+    pub seconds: f64,
+    pub evaluations: u64,
+    pub stages: u64,
+    /// The predicted step time of the best feasible plan after the phase.
+    pub best: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
@@ -110,55 +143,70 @@ fn particle_rng(seed: u64, particle: usize, iteration: u64) -> ChaCha8Rng {
     rng
 }
 
-fn random_plan(n: usize, rng: &mut ChaCha8Rng) -> Vec<Action> {
-    (0..n).map(|_| Action::ALL[rng.gen_range(0..3)]).collect()
+/// A random plan of `space` (one random action per dimension).
+fn random_plan(space: &Space, rng: &mut ChaCha8Rng) -> Vec<Action> {
+    let per_dim: Vec<Action> = (0..space.dims()).map(|_| Action::ALL[rng.gen_range(0..3)]).collect();
+    space.expand(&per_dim)
 }
 
-/// One particle's sweep (Algorithm 3, lines 4-13). Returns its new score and evaluation count.
+/// One particle's sweep (Algorithm 3, lines 4-13) over the dimensions of `space`. Returns its
+/// new score and evaluation count.
 fn sweep(
-    g: &Graph,
-    budget: u64,
-    opts: &EvalOptions,
-    scratch: &mut Scratch,
+    ctx: &Context,
+    space: &Space,
+    w: &mut Worker,
     cur: &mut [Action],
     mut cur_score: Option<Score>,
     p1: &[Action],
     p2: &[Action],
 ) -> (Score, u64) {
     let mut evals = 0u64;
-    for j in 0..cur.len() {
-        let (c1, c2) = (p1[j], p2[j]);
-        let orig = cur[j];
+    for j in 0..space.dims() {
+        let (c1, c2) = (space.action(p1, j), space.action(p2, j));
+        let orig = space.action(cur, j);
         if c1 == c2 {
             if orig != c1 {
-                cur[j] = c1;
+                space.set(cur, j, c1);
                 cur_score = None;
             }
             continue;
         }
-        let mut eval_with = |a: Action, cur: &mut [Action]| -> Score {
-            if orig == a {
-                if let Some(s) = cur_score {
-                    return s;
-                }
+        // The candidate the plan already has keeps its score; the other is evaluated with the
+        // first score known as a bound (None: strictly worse than it).
+        let (o1, o2) = match cur_score.filter(|_| orig == c1 || orig == c2) {
+            Some(s) if orig == c1 => {
+                space.set(cur, j, c2);
+                evals += 1;
+                (Some(s), ctx.score_full(cur, Some(s), w))
             }
-            cur[j] = a;
-            evals += 1;
-            score(g, cur, budget, opts, scratch)
+            Some(s) => {
+                space.set(cur, j, c1);
+                evals += 1;
+                (ctx.score_full(cur, Some(s), w), Some(s))
+            }
+            None => {
+                space.set(cur, j, c1);
+                let o1 = ctx.score_full(cur, None, w).expect("no bound");
+                space.set(cur, j, c2);
+                let o2 = ctx.score_full(cur, Some(o1), w);
+                evals += 2;
+                (Some(o1), o2)
+            }
         };
-        let o1 = eval_with(c1, cur);
-        let o2 = eval_with(c2, cur);
-        if o1.better_than(&o2) {
-            cur[j] = c1;
-            cur_score = Some(o1);
-        } else {
-            cur[j] = c2;
-            cur_score = Some(o2);
-        }
+        // The better one, P2's on a tie.
+        let (a, s) = match (o1, o2) {
+            (Some(x), Some(y)) if x.better_than(&y) => (c1, x),
+            (Some(_), Some(y)) => (c2, y),
+            (Some(x), None) => (c1, x),
+            (None, Some(y)) => (c2, y),
+            (None, None) => unreachable!("one candidate is scored in full"),
+        };
+        space.set(cur, j, a);
+        cur_score = Some(s);
     }
     match cur_score {
         Some(s) => (s, evals),
-        None => (score(g, cur, budget, opts, scratch), evals + 1),
+        None => (ctx.score_full(cur, None, w).expect("no bound"), evals + 1),
     }
 }
 
@@ -213,61 +261,129 @@ pub fn search(
             g.n
         )));
     }
+    crate::blockwise::check_blocks(g.n, &settings.blocks)?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(settings.threads)
         .build()
         .map_err(|e| CoreError::InvalidSetting(format!("cannot start {} threads: {e}", settings.threads)))?;
-    let Swarm { mut gbest, pbest, pbest_scores, mut trace, mut evaluations } =
-        swarm(g, budget, opts, settings, &pool, &mut on_iteration);
-    if settings.polish {
-        // The swarm's best, then the best personal bests whose step time differs from every
-        // start's so far (plans of the same time are mostly the same plan: a unit without
-        // activations swapped instead of retained).
-        let mut order: Vec<usize> = (0..pbest.len()).collect();
-        order.sort_by(|&x, &y| pbest_scores[x].cmp_key(&pbest_scores[y]).then(x.cmp(&y)));
-        let mut starts = vec![gbest.clone()];
-        for &i in &order {
-            if starts.len() >= settings.polish_starts.max(1) {
-                break;
-            }
-            if starts.iter().all(|(p, ps)| *p != pbest[i] && ps.time != pbest_scores[i].time) {
-                starts.push((pbest[i].clone(), pbest_scores[i]));
-            }
+    let mut trace = Trace::default();
+    let best = if crate::blockwise::block_wise(g.n, settings) {
+        crate::blockwise::search(g, budget, opts, settings, &pool, &mut trace, &mut on_iteration)
+    } else {
+        let space = Space::full(g.n);
+        pipeline(g, budget, opts, settings, &pool, &space, &settings.seeds, &mut trace, "", &mut on_iteration).0
+    };
+    let (actions, score) = best;
+    if let Some(last) = trace.best.last_mut() {
+        if score.feasible {
+            *last = Some(score.time);
         }
-        let polished = crate::polish::polish(g, budget, opts, &pool, starts).expect("the swarm's best is a start");
-        evaluations += polished.evaluations;
-        if polished.best.1.better_than(&gbest.1) {
-            gbest = polished.best;
+    }
+    trace.evaluations = trace.phases.iter().map(|p| p.evaluations).sum();
+    trace.stages = trace.phases.iter().map(|p| p.stages).sum();
+    Ok(PsoResult { actions, score, trace })
+}
+
+/// The swarm and its extensions in `space` (seeds are projected onto it): returns the best plan
+/// and the distinct polished plans. Phases are recorded in `trace` (names prefixed by `tag`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pipeline(
+    g: &Graph,
+    budget: u64,
+    opts: &EvalOptions,
+    settings: &PsoSettings,
+    pool: &rayon::ThreadPool,
+    space: &Space,
+    seeds: &[Vec<Action>],
+    trace: &mut Trace,
+    tag: &str,
+    on_iteration: &mut dyn FnMut(usize, &Score),
+) -> ((Vec<Action>, Score), Vec<(Vec<Action>, Score)>) {
+    let mut clock = Instant::now();
+    let mut phase = |trace: &mut Trace, name: &str, evaluations: u64, stages: u64, best: &Score| {
+        trace.phases.push(Phase {
+            name: format!("{tag}{name}"),
+            seconds: clock.elapsed().as_secs_f64(),
+            evaluations,
+            stages,
+            best: best.feasible.then_some(best.time),
+        });
+        clock = Instant::now();
+    };
+    let projected: Vec<Vec<Action>> = seeds.iter().map(|p| space.project(p)).collect();
+    let first = Swarm::run(g, budget, opts, &PsoSettings { seeds: projected, ..settings.clone() }, pool, space, on_iteration);
+    trace.best = first.trace.best;
+    trace.mean = first.trace.mean;
+    trace.worst = first.trace.worst;
+    trace.feasible = first.trace.feasible;
+    trace.elapsed = first.trace.elapsed;
+    phase(trace, "swarm", first.evaluations, first.stages, &first.gbest.1);
+    let mut gbest = first.gbest;
+    let mut plans = Vec::new();
+    if !settings.polish {
+        add_distinct(&mut plans, gbest.0.clone(), gbest.1);
+        return (gbest, plans);
+    }
+    let mut polisher = Polisher::new(g, budget, opts, pool, space);
+    if polisher.is_optimal(&gbest.1) {
+        // No plan is faster: only the swaps it does without are undone.
+        let (p, ps) = polisher.tidied(gbest.0, gbest.1);
+        phase(trace, "tidy", polisher.evaluations(), polisher.stages(), &ps);
+        add_distinct(&mut plans, p.clone(), ps);
+        return ((p, ps), plans);
+    }
+    // The swarm's best, then the best personal bests whose step time differs from every start's
+    // so far (plans of the same time are mostly the same plan: a unit without activations
+    // swapped instead of retained).
+    let (pbest, pbest_scores) = (first.pbest, first.pbest_scores);
+    let mut order: Vec<usize> = (0..pbest.len()).collect();
+    order.sort_by(|&x, &y| pbest_scores[x].cmp_key(&pbest_scores[y]).then(x.cmp(&y)));
+    let mut starts = vec![gbest.clone()];
+    for &i in &order {
+        if starts.len() >= settings.polish_starts.max(1) {
+            break;
         }
-        let mut plans = polished.plans;
-        let mut polisher = Polisher::new(g, budget, opts, &pool);
-        for r in 0..settings.restarts {
-            let restart = swarm(g, budget, opts, &restart_settings(settings, r), &pool, &mut |_, _| {});
-            evaluations += restart.evaluations;
-            let (p, ps) = polisher.polish(restart.gbest.0, restart.gbest.1);
+        if starts.iter().all(|(p, ps)| *p != pbest[i] && ps.time != pbest_scores[i].time) {
+            starts.push((pbest[i].clone(), pbest_scores[i]));
+        }
+    }
+    let polished = crate::polish::polish(g, budget, opts, pool, space, starts).expect("the swarm's best is a start");
+    if polished.best.1.better_than(&gbest.1) {
+        gbest = polished.best;
+    }
+    phase(trace, "polish", polished.evaluations, polished.stages, &gbest.1);
+    plans = polished.plans;
+    if polisher.is_optimal(&gbest.1) {
+        return (gbest, plans);
+    }
+    let (mut restart_evals, mut restart_stages) = (0u64, 0u64);
+    for r in 0..settings.restarts {
+        let restart = Swarm::run(g, budget, opts, &restart_settings(settings, r), pool, space, &mut |_, _| {});
+        restart_evals += restart.evaluations;
+        restart_stages += restart.stages;
+        let (p, ps) = polisher.polish(restart.gbest.0, restart.gbest.1);
+        if ps.better_than(&gbest.1) {
+            gbest = (p.clone(), ps);
+        }
+        add_distinct(&mut plans, p, ps);
+        if polisher.is_optimal(&gbest.1) {
+            break;
+        }
+    }
+    if settings.restarts > 0 {
+        phase(trace, "restarts", restart_evals + polisher.evaluations(), restart_stages + polisher.stages(), &gbest.1);
+    }
+    if settings.relinks > 0 && !polisher.is_optimal(&gbest.1) {
+        let (best, evals, stages) = crate::relink::relink(g, budget, opts, pool, space, plans.clone(), settings.relinks);
+        if let Some((p, ps)) = best {
             if ps.better_than(&gbest.1) {
                 gbest = (p.clone(), ps);
             }
             add_distinct(&mut plans, p, ps);
         }
-        evaluations += polisher.evaluations();
-        if settings.relinks > 0 {
-            let (best, evals) = crate::relink::relink(g, budget, opts, &pool, plans, settings.relinks);
-            evaluations += evals;
-            if let Some((p, ps)) = best {
-                if ps.better_than(&gbest.1) {
-                    gbest = (p, ps);
-                }
-            }
-        }
-        if let Some(last) = trace.best.last_mut() {
-            if gbest.1.feasible {
-                *last = Some(gbest.1.time);
-            }
-        }
+        phase(trace, "relink", evals, stages, &gbest.1);
     }
-    trace.evaluations = evaluations;
-    Ok(PsoResult { actions: gbest.0, score: gbest.1, trace })
+    (gbest, plans)
 }
 
 /// What a swarm ends with.
@@ -277,118 +393,138 @@ struct Swarm {
     pbest_scores: Vec<Score>,
     trace: Trace,
     evaluations: u64,
+    stages: u64,
 }
 
-/// The swarm itself (Algorithms 1 and 3), settings checked.
-fn swarm(
-    g: &Graph,
-    budget: u64,
-    opts: &EvalOptions,
-    settings: &PsoSettings,
-    pool: &rayon::ThreadPool,
-    on_iteration: &mut dyn FnMut(usize, &Score),
-) -> Swarm {
-    let n = g.n;
-    let m = settings.particles;
-    let started = Instant::now();
-    let extremes = if settings.seed_extremes { 3 } else { 0 };
-    let mut positions: Vec<Vec<Action>> = (0..m)
-        .map(|i| {
-            if i < extremes {
-                vec![Action::ALL[i]; n]
-            } else if i < extremes + settings.seeds.len() {
-                settings.seeds[i - extremes].clone()
-            } else {
-                random_plan(n, &mut particle_rng(settings.seed, i, u64::MAX))
-            }
-        })
-        .collect();
-    let mut scores: Vec<Score> = pool.install(|| {
-        positions
-            .par_iter()
-            .map_init(|| Scratch::new(n), |s, p| score(g, p, budget, opts, s))
-            .collect()
-    });
-    let mut evaluations = m as u64;
-    let mut pbest = positions.clone();
-    let mut pbest_scores = scores.clone();
-    let b = argbest(&scores);
-    let mut gbest = (positions[b].clone(), scores[b]);
-    let mut trace = Trace::default();
-    let mut since_improved = 0usize;
-    // Fixed points of the sweep: the particle did not move in its last sweep and neither its P1
-    // nor its P2 has changed since (only without mutation, which is random).
-    let mut unmoved = vec![false; m];
-    let mut pbest_changed = vec![true; m];
-    let mut last_p1: Vec<Action> = Vec::new();
-
-    for it in 0..settings.iterations {
-        let p1 = positions[argbest(&scores)].clone();
-        let same_p1 = p1 == last_p1;
-        let results: Vec<(Score, u64, bool)> = pool.install(|| {
+impl Swarm {
+    /// The swarm itself (Algorithms 1 and 3) over the dimensions of `space`, settings checked
+    /// (seeds are plans of `space`).
+    fn run(
+        g: &Graph,
+        budget: u64,
+        opts: &EvalOptions,
+        settings: &PsoSettings,
+        pool: &rayon::ThreadPool,
+        space: &Space,
+        on_iteration: &mut dyn FnMut(usize, &Score),
+    ) -> Swarm {
+        let n = g.n;
+        let m = settings.particles;
+        let started = Instant::now();
+        let ctx = Context::new(g, budget, opts);
+        let extremes = if settings.seed_extremes { 3 } else { 0 };
+        let mut positions: Vec<Vec<Action>> = (0..m)
+            .map(|i| {
+                if i < extremes {
+                    vec![Action::ALL[i]; n]
+                } else if i < extremes + settings.seeds.len() {
+                    settings.seeds[i - extremes].clone()
+                } else {
+                    random_plan(space, &mut particle_rng(settings.seed, i, u64::MAX))
+                }
+            })
+            .collect();
+        let initial: Vec<(Score, u64)> = pool.install(|| {
             positions
-                .par_iter_mut()
-                .zip(scores.par_iter())
-                .zip(pbest.par_iter())
-                .enumerate()
+                .par_iter()
                 .map_init(
-                    || (Scratch::new(n), Vec::new()),
-                    |(scratch, before), (i, ((cur, &s), p2))| {
-                        if settings.skip_fixed_points && settings.mutation == 0.0 && same_p1 && unmoved[i] && !pbest_changed[i] {
-                            return (s, 0, true);
-                        }
-                        before.clear();
-                        before.extend_from_slice(cur);
-                        let (mut sc, mut ev) = sweep(g, budget, opts, scratch, cur, Some(s), &p1, p2);
-                        if settings.mutation > 0.0 {
-                            let mut rng = particle_rng(settings.seed, i, it as u64);
-                            let mut changed = false;
-                            for a in cur.iter_mut() {
-                                if rng.gen::<f64>() < settings.mutation {
-                                    *a = Action::ALL[rng.gen_range(0..3)];
-                                    changed = true;
-                                }
-                            }
-                            if changed {
-                                sc = score(g, cur, budget, opts, scratch);
-                                ev += 1;
-                            }
-                        }
-                        (sc, ev, *before == *cur)
+                    || Worker::new(n),
+                    |w, p| {
+                        let before = w.stages;
+                        (ctx.score_full(p, None, w).expect("no bound"), w.stages - before)
                     },
                 )
                 .collect()
         });
-        let mut improved = false;
-        last_p1 = p1;
-        for (i, (s, ev, still)) in results.into_iter().enumerate() {
-            evaluations += ev;
-            scores[i] = s;
-            unmoved[i] = still;
-            pbest_changed[i] = false;
-            if s.better_than(&pbest_scores[i]) {
-                pbest_scores[i] = s;
-                pbest[i].clone_from(&positions[i]);
-                pbest_changed[i] = true;
+        let mut stages: u64 = initial.iter().map(|x| x.1).sum();
+        let mut scores: Vec<Score> = initial.into_iter().map(|x| x.0).collect();
+        let mut evaluations = m as u64;
+        let mut pbest = positions.clone();
+        let mut pbest_scores = scores.clone();
+        let b = argbest(&scores);
+        let mut gbest = (positions[b].clone(), scores[b]);
+        let mut trace = Trace::default();
+        let mut since_improved = 0usize;
+        // Fixed points of the sweep: the particle did not move in its last sweep and neither its
+        // P1 nor its P2 has changed since (only without mutation, which is random).
+        let mut unmoved = vec![false; m];
+        let mut pbest_changed = vec![true; m];
+        let mut last_p1: Vec<Action> = Vec::new();
+
+        for it in 0..settings.iterations {
+            let p1 = positions[argbest(&scores)].clone();
+            let same_p1 = p1 == last_p1;
+            let results: Vec<(Score, u64, bool, u64)> = pool.install(|| {
+                positions
+                    .par_iter_mut()
+                    .zip(scores.par_iter())
+                    .zip(pbest.par_iter())
+                    .enumerate()
+                    .map_init(
+                        || (Worker::new(n), Vec::new()),
+                        |(w, before), (i, ((cur, &s), p2))| {
+                            if settings.skip_fixed_points && settings.mutation == 0.0 && same_p1 && unmoved[i] && !pbest_changed[i] {
+                                return (s, 0, true, 0);
+                            }
+                            let stages_before = w.stages;
+                            before.clear();
+                            before.extend_from_slice(cur);
+                            let (mut sc, mut ev) = sweep(&ctx, space, w, cur, Some(s), &p1, p2);
+                            if settings.mutation > 0.0 {
+                                let mut rng = particle_rng(settings.seed, i, it as u64);
+                                let mut changed = false;
+                                for k in 0..space.dims() {
+                                    if rng.gen::<f64>() < settings.mutation {
+                                        space.set(cur, k, Action::ALL[rng.gen_range(0..3)]);
+                                        changed = true;
+                                    }
+                                }
+                                if changed {
+                                    sc = ctx.score_full(cur, None, w).expect("no bound");
+                                    ev += 1;
+                                }
+                            }
+                            (sc, ev, *before == *cur, w.stages - stages_before)
+                        },
+                    )
+                    .collect()
+            });
+            let mut improved = false;
+            last_p1 = p1;
+            for (i, (s, ev, still, st)) in results.into_iter().enumerate() {
+                evaluations += ev;
+                stages += st;
+                scores[i] = s;
+                unmoved[i] = still;
+                pbest_changed[i] = false;
+                if s.better_than(&pbest_scores[i]) {
+                    pbest_scores[i] = s;
+                    pbest[i].clone_from(&positions[i]);
+                    pbest_changed[i] = true;
+                }
+                if s.better_than(&gbest.1) {
+                    gbest = (positions[i].clone(), s);
+                    improved = true;
+                }
             }
-            if s.better_than(&gbest.1) {
-                gbest = (positions[i].clone(), s);
-                improved = true;
-            }
-        }
-        let feas: Vec<f64> = scores.iter().filter(|s| s.feasible).map(|s| s.time).collect();
-        trace.best.push(if gbest.1.feasible { Some(gbest.1.time) } else { None });
-        trace.mean.push(if feas.is_empty() { None } else { Some(feas.iter().sum::<f64>() / feas.len() as f64) });
-        trace.worst.push(feas.iter().cloned().reduce(f64::max));
-        trace.feasible.push(feas.len());
-        trace.elapsed.push(started.elapsed().as_secs_f64());
-        on_iteration(it, &gbest.1);
-        since_improved = if improved { 0 } else { since_improved + 1 };
-        if let Some(p) = settings.patience {
-            if since_improved >= p {
+            let feas: Vec<f64> = scores.iter().filter(|s| s.feasible).map(|s| s.time).collect();
+            trace.best.push(if gbest.1.feasible { Some(gbest.1.time) } else { None });
+            trace.mean.push(if feas.is_empty() { None } else { Some(feas.iter().sum::<f64>() / feas.len() as f64) });
+            trace.worst.push(feas.iter().cloned().reduce(f64::max));
+            trace.feasible.push(feas.len());
+            trace.elapsed.push(started.elapsed().as_secs_f64());
+            on_iteration(it, &gbest.1);
+            if ctx.is_optimal(&gbest.1) {
+                // No plan is faster than the best.
                 break;
             }
+            since_improved = if improved { 0 } else { since_improved + 1 };
+            if let Some(p) = settings.patience {
+                if since_improved >= p {
+                    break;
+                }
+            }
         }
+        Swarm { gbest, pbest, pbest_scores, trace, evaluations, stages }
     }
-    Swarm { gbest, pbest, pbest_scores, trace, evaluations }
 }

@@ -19,9 +19,17 @@ fn module_path(name: &str) -> &str {
 /// and kinds) occurs at least twice. The depth that covers the most units wins (the coarsest on a
 /// tie). Ranges of a single unit are left out. Empty when nothing repeats.
 pub fn repeated_blocks(profile: &Profile) -> Vec<(usize, usize)> {
+    let mut blocks: Vec<(usize, usize)> = repeated_block_classes(profile).into_iter().flatten().collect();
+    blocks.sort_unstable();
+    blocks
+}
+
+/// The repeated blocks (`repeated_blocks`) by class: blocks of the same structure (relative
+/// names and kinds) in one class, in unit order; classes in the order of their first block.
+pub fn repeated_block_classes(profile: &Profile) -> Vec<Vec<(usize, usize)>> {
     let units = &profile.units;
     let max_depth = units.iter().map(|u| module_path(&u.name).split('.').count()).max().unwrap_or(0);
-    let mut best: (usize, Vec<(usize, usize)>) = (0, Vec::new());
+    let mut best: (usize, Vec<Vec<(usize, usize)>>) = (0, Vec::new());
     for depth in 1..max_depth {
         // Runs of consecutive units strictly inside the same module at this depth.
         let key = |i: usize| -> Option<String> {
@@ -47,15 +55,18 @@ pub fn repeated_blocks(profile: &Profile) -> Vec<(usize, usize)> {
             (a..=b).map(|u| (units[u].name[k.len()..].to_string(), units[u].kind.clone())).collect()
         };
         let sigs: Vec<Vec<(String, String)>> = groups.iter().map(signature).collect();
-        let blocks: Vec<(usize, usize)> = groups
-            .iter()
-            .zip(&sigs)
-            .filter(|((a, b, _), sig)| b > a && sigs.iter().filter(|s| s == sig).count() >= 2)
-            .map(|((a, b, _), _)| (*a, *b))
-            .collect();
-        let covered: usize = blocks.iter().map(|(a, b)| b - a + 1).sum();
+        let mut classes: Vec<(&Vec<(String, String)>, Vec<(usize, usize)>)> = Vec::new();
+        for ((a, b, _), sig) in groups.iter().zip(&sigs) {
+            if b > a && sigs.iter().filter(|s| *s == sig).count() >= 2 {
+                match classes.iter_mut().find(|(s, _)| *s == sig) {
+                    Some((_, blocks)) => blocks.push((*a, *b)),
+                    None => classes.push((sig, vec![(*a, *b)])),
+                }
+            }
+        }
+        let covered: usize = classes.iter().flat_map(|(_, b)| b).map(|(a, b)| b - a + 1).sum();
         if covered > best.0 {
-            best = (covered, blocks);
+            best = (covered, classes.into_iter().map(|(_, b)| b).collect());
         }
     }
     best.1

@@ -18,25 +18,36 @@ use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
 use crate::polish::{add_distinct, Polisher};
 use crate::profile::Graph;
-use crate::pso::argbest;
+use crate::space::Space;
 
 /// How many of the best polished plans the walks run between.
 pub const POOL: usize = 8;
 
-/// The walk from `from` to `to`: the best feasible plan strictly between them (None when they
-/// differ in fewer than two units or none of those plans is feasible).
-fn walk(polisher: &mut Polisher, from: &[Action], to: &[Action]) -> Option<(Vec<Action>, Score)> {
-    let mut left: Vec<usize> = (0..from.len()).filter(|&u| from[u] != to[u]).collect();
+/// The walk from `from` to `to` (plans of the polisher's space): the best feasible plan
+/// strictly between them (None when they differ in fewer than two dimensions or none of those
+/// plans is feasible).
+fn walk(polisher: &mut Polisher, space: &Space, from: &[Action], to: &[Action]) -> Option<(Vec<Action>, Score)> {
+    let mut left: Vec<usize> = (0..space.dims()).filter(|&k| space.action(from, k) != space.action(to, k)).collect();
     let mut cur = from.to_vec();
     let mut best: Option<(Vec<Action>, Score)> = None;
     while left.len() > 1 {
-        let changes: Vec<(usize, Action)> = left.iter().map(|&u| (u, to[u])).collect();
+        let changes: Vec<(usize, Action)> = left.iter().map(|&k| (k, space.action(to, k))).collect();
         let scores = polisher.scores_of_changes(&cur, &changes);
-        let k = argbest(&scores);
-        cur[left[k]] = to[left[k]];
+        // The best change (the first of equal ones); a change scored None is worse than the
+        // first change's score.
+        let mut k = 0;
+        for (i, s) in scores.iter().enumerate() {
+            if let Some(s) = s {
+                if s.better_than(&scores[k].expect("the first change is scored")) {
+                    k = i;
+                }
+            }
+        }
+        let sk = scores[k].expect("the best change is scored");
+        space.set(&mut cur, left[k], space.action(to, left[k]));
         left.remove(k);
-        if scores[k].feasible && best.as_ref().map_or(true, |(_, bs)| scores[k].better_than(bs)) {
-            best = Some((cur.clone(), scores[k]));
+        if sk.feasible && best.as_ref().map_or(true, |(_, bs)| sk.better_than(bs)) {
+            best = Some((cur.clone(), sk));
         }
     }
     best
@@ -63,17 +74,18 @@ fn next_pair(plans: &[(Vec<Action>, Score)], walked: &[(Vec<Action>, Vec<Action>
     None
 }
 
-/// Relink `plans` (polished, feasible) as the module documentation says; returns the best plan
-/// (None without plans) and the evaluations made.
+/// Relink `plans` (polished, feasible plans of `space`) as the module documentation says;
+/// returns the best plan (None without plans), the evaluations made and the stages simulated.
 pub fn relink(
     g: &Graph,
     budget: u64,
     opts: &EvalOptions,
     pool: &rayon::ThreadPool,
+    space: &Space,
     mut plans: Vec<(Vec<Action>, Score)>,
     polishes: usize,
-) -> (Option<(Vec<Action>, Score)>, u64) {
-    let mut polisher = Polisher::new(g, budget, opts, pool);
+) -> (Option<(Vec<Action>, Score)>, u64, u64) {
+    let mut polisher = Polisher::new(g, budget, opts, pool, space);
     let mut walked: Vec<(Vec<Action>, Vec<Action>)> = Vec::new();
     let mut polished: Vec<Vec<Action>> = Vec::new();
     while polished.len() < polishes {
@@ -81,7 +93,7 @@ pub fn relink(
         plans.truncate(POOL);
         let Some((a, b)) = next_pair(&plans, &walked) else { break };
         walked.push((plans[a].0.clone(), plans[b].0.clone()));
-        let Some((mid, ms)) = walk(&mut polisher, &plans[a].0, &plans[b].0) else { continue };
+        let Some((mid, ms)) = walk(&mut polisher, space, &plans[a].0, &plans[b].0) else { continue };
         if !(ms.better_than(&plans[a].1) && ms.better_than(&plans[b].1)) || polished.contains(&mid) {
             continue;
         }
@@ -90,5 +102,5 @@ pub fn relink(
         add_distinct(&mut plans, p, ps);
     }
     plans.sort_by(|x, y| x.1.cmp_key(&y.1));
-    (plans.into_iter().next(), polisher.evaluations())
+    (plans.into_iter().next(), polisher.evaluations(), polisher.stages())
 }

@@ -97,3 +97,101 @@ pub fn budget_at(p: &Profile, frac: f64) -> u64 {
     let up = tensorplace_core::peak::unplanned_peak(&g);
     lb + ((up - lb) as f64 * frac) as u64
 }
+
+/// A random DAG profile of 1 to `max_units` units (as tests/profiles.py's `dag_profiles`, in
+/// Rust): inputs among earlier units, saved or unsaved outputs, readers in the backward, held
+/// inputs split by producer (`held_from`), saved values of inputs (`saved_from`), lingering
+/// bytes, transients, one or two copy engines, sometimes an optimizer step, and units named as
+/// repeated blocks (default segment starts) half the time.
+pub fn random_profile(rng: &mut rand_chacha::ChaCha8Rng, max_units: usize) -> Profile {
+    use rand::Rng;
+    let n = rng.gen_range(1..=max_units);
+    let block = [0usize, 2, 3][rng.gen_range(0..3)];
+    let mut units: Vec<Unit> = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut inputs: Vec<i64> = Vec::new();
+        if i > 0 {
+            if rng.gen_bool(0.7) {
+                inputs.push(i as i64 - 1);
+            }
+            for _ in 0..rng.gen_range(0..=2) {
+                inputs.push(rng.gen_range(0..i) as i64);
+            }
+            inputs.sort();
+            inputs.dedup();
+        }
+        let out: i64 = rng.gen_range(0..=1000);
+        let saved = rng.gen_bool(0.6);
+        let act = if saved { out } else { 0 } + rng.gen_range(0..=300);
+        let name = if block > 0 { format!("b{}.u{}", i / block, i % block) } else { format!("u{i}") };
+        let mut u = unit(&name, &inputs, rng.gen_range(0.0..2.0), rng.gen_range(0.0..4.0), act);
+        u.kind = if block > 0 { format!("k{}", i % block) } else { "other".into() };
+        u.model_inputs = if inputs.is_empty() { vec![0] } else { vec![] };
+        u.output_bytes = out;
+        u.output_saved = saved;
+        u.held_input_bytes = rng.gen_range(0..=200);
+        u.fwd_transient_bytes = rng.gen_range(0..=300);
+        u.bwd_transient_bytes = rng.gen_range(0..=300);
+        u.grad_bytes = rng.gen_range(0..=100);
+        if rng.gen_bool(0.3) {
+            u.replay_transient_bytes = Some(rng.gen_range(0..=300));
+        }
+        if act > 0 && rng.gen_bool(0.2) {
+            u.lingering_bytes = Some(rng.gen_range(0..=act));
+            u.lingering_until = Some(rng.gen_range(i..=n) as i64);
+        }
+        units.push(u);
+    }
+    // Readers: itself (usually) and consumers (sometimes); a unit with activations has one.
+    for i in 0..n {
+        let mut readers: Vec<i64> = Vec::new();
+        if rng.gen_bool(0.5) || units[i].inputs.is_empty() {
+            readers.push(i as i64);
+        }
+        for c in i + 1..n {
+            if units[c].inputs.contains(&(i as i64)) && rng.gen_bool(0.5) {
+                readers.push(c as i64);
+            }
+        }
+        if units[i].act_bytes > 0 && readers.is_empty() {
+            readers.push(i as i64);
+        }
+        units[i].read_by = readers;
+    }
+    for i in 0..n {
+        let mut left = units[i].held_input_bytes;
+        let mut held_from = Vec::new();
+        for &p in &units[i].inputs.clone() {
+            let pu = &units[p as usize];
+            if !pu.output_saved && left > 0 && rng.gen_bool(0.5) {
+                let b = rng.gen_range(0..=left);
+                held_from.push([p, b]);
+                left -= b;
+            }
+        }
+        units[i].held_from = Some(held_from);
+        let saved_from: Vec<[i64; 2]> = units[i]
+            .inputs
+            .iter()
+            .filter(|&&p| units[p as usize].read_by.contains(&(i as i64)))
+            .map(|&p| {
+                let pu = &units[p as usize];
+                [p, if pu.output_saved { pu.output_bytes.min(pu.act_bytes) } else { pu.act_bytes }]
+            })
+            .collect();
+        units[i].saved_from = Some(saved_from);
+    }
+    let bw = rng.gen_range(10.0..10000.0);
+    let mut p = profile(units, rng.gen_range(0..=1000), bw);
+    p.h2d_bandwidth = bw * rng.gen_range(0.5..2.0);
+    p.copy_engines = Some(rng.gen_range(1..=2));
+    if rng.gen_bool(0.3) {
+        p.optimizer = Some(tensorplace_core::profile::OptimizerStep {
+            name: "sgd".into(),
+            step_time: rng.gen_range(0.0..2.0),
+            transient_bytes: rng.gen_range(0..=500),
+            ..Default::default()
+        });
+    }
+    p
+}

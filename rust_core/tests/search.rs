@@ -67,11 +67,13 @@ fn budgets_below_the_lower_bound_name_it() {
 fn skipping_fixed_points_changes_nothing_but_the_work() {
     let f: Vec<f64> = (0..30).map(|i| 0.1 + (i % 5) as f64 * 0.07).collect();
     let a: Vec<i64> = (0..30).map(|i| 100 + (i * 29 % 13) as i64 * 40).collect();
-    let p = chain(&f, &a, 500, 1500.0);
+    // A slow link: no plan hides every copy, so the swarm runs all its iterations.
+    let p = chain(&f, &a, 500, 150.0);
     let g = p.graph().unwrap();
     let budget = tensorplace_core::peak::unplanned_peak(&g) * 55 / 100;
     let opts = EvalOptions::default();
     let fast = search(&g, budget, &opts, &settings(30, 60, 3, 2), |_, _| {}).unwrap();
+    assert_eq!(fast.trace.best.len(), 60, "the swarm ran every iteration");
     let slow_settings = PsoSettings { skip_fixed_points: false, ..settings(30, 60, 3, 2) };
     let slow = search(&g, budget, &opts, &slow_settings, |_, _| {}).unwrap();
     assert_eq!(fast.actions, slow.actions);
@@ -203,3 +205,4 @@ fn restarts_and_relinking_do_not_depend_on_the_thread_count() {
     assert!(evaluations(&one) > evaluations(&restarts_only));
     assert!(one.predicted.step_time <= restarts_only.predicted.step_time);
 }
+

@@ -27,12 +27,15 @@ def cmd_convergence(a: argparse.Namespace) -> int:
     print(f"{label}, budget {format_bytes(budget)}: search {total:.2f} s on this machine, "
           f"{c.get('evaluations')} evaluations; within 1% of the final best at iteration {k} "
           f"({c['elapsed'][k]:.2f} s)" if k is not None else "no feasible plan")
+    if len(best) < a.iterations and p.predicted["step_time"] <= p.predicted["compute_time"]:
+        print(f"the swarm stopped after {len(best)} iterations: its plan has no stall and no replay, and none is faster")
     step = max(1, len(best) // 20)
     rows = [[i, common.ms(best[i]), common.ms(c["mean"][i]), common.ms(c["worst"][i]), c["feasible"][i]]
             for i in range(0, len(best), step)]
     common.table("convergence (predicted step ms)", ["iteration", "best", "mean", "worst", "feasible"], rows)
     a.out.update(profile=label, budget_bytes=budget, search_seconds=total, evaluations=c.get("evaluations"),
-                      within_1pct_iteration=k, predicted_step_time=p.predicted["step_time"], convergence=c)
+                      within_1pct_iteration=k, predicted_step_time=p.predicted["step_time"],
+                      compute_time=p.predicted["compute_time"], convergence=c)
     if a.png:
         plt = common.pyplot()
         xs = list(range(len(best)))

@@ -1,0 +1,204 @@
+//! Incremental evaluation of the search's moves: the evaluator's own simulation, resumed from a
+//! saved state and stopped early by a bound that cannot be wrong.
+//!
+//! A move of the search (polish, restarts, path relinking) changes a plan from some unit j on.
+//! The evaluator's forward stage Fi reads only the actions of units up to i and what follows from
+//! them (runs of recomputed units, what a recomputed unit holds), so the simulation's state at
+//! the start of Fi is the same for every plan that agrees on the units before i. A [`Base`] is a
+//! plan evaluated once with its state saved at the start of every `stride`-th forward stage; a
+//! move is evaluated by restoring the latest saved state at or before the first stage it can
+//! affect and running the same simulation (crate::evaluator) from there. The first stage a move
+//! at unit j can affect is taken conservatively as the start of the run of recomputed units that
+//! j would join or split (j itself when unit j - 1 is not recomputed or j starts a segment):
+//! what a segment holds and regenerates depends on all of its units, and a rule of the cost model
+//! that charged something at a segment's first stage would still be resumed before it.
+//!
+//! The bound: a search only needs to know whether a move beats a score (the current plan's, the
+//! other candidate's). The step time only grows (stage times, stalls and replays are never
+//! negative) and the excess over the budget never shrinks, so after each stage the simulation
+//! stops when even the stage times still to run cannot bring the plan under the bound's time, or
+//! its excess already rules it out (crate::evaluator's `Hooks`). Such a move is strictly worse
+//! than the bound, which is all the search uses.
+//!
+//! A step whose first overflow blames prefetches issued ahead of their need is simulated again
+//! with them issued later (crate::evaluator's `run_with_events`); the hooked evaluation does the
+//! same, each run resumed from the same state (prefetches are issued in the backward only), and
+//! stops a run early only when no such retry can follow: after a first overflow that blamed
+//! none, or, before any overflow, in a plan without swaps.
+//!
+//! Both only skip work: a resumed simulation is the full one's, bit for bit (tested on random
+//! moves over random profiles, rust_core/tests/incremental.rs).
+
+use crate::action::Action;
+use crate::evaluator::{score_hooked, EvalOptions, Hooks, Score, Scratch, SimState};
+use crate::profile::Graph;
+
+/// Saved states per plan, at most (plus the state at F0): the stride is n / this, at least 1.
+pub const SAVED_STATES: usize = 32;
+
+/// What evaluations of one profile under one budget share: the remaining stage times after each
+/// stage, and where states are saved.
+#[derive(Debug, Clone)]
+pub struct Context<'a> {
+    pub g: &'a Graph,
+    pub budget: u64,
+    pub opts: &'a EvalOptions,
+    pub starts: &'a [bool],
+    stride: usize,
+    rest_after_fwd: Vec<f64>,
+    rest_after_bwd: Vec<f64>,
+    min_time: f64,
+}
+
+/// One thread's evaluation buffers and the work it did.
+#[derive(Debug, Clone, Default)]
+pub struct Worker {
+    pub scratch: Scratch,
+    /// Forward and backward stages simulated so far (a work count that does not depend on the
+    /// machine's load).
+    pub stages: u64,
+}
+
+impl Worker {
+    pub fn new(n: usize) -> Worker {
+        Worker { scratch: Scratch::new(n), stages: 0 }
+    }
+}
+
+/// A plan, its score, and its simulation's state at the start of forward stages 0, stride,
+/// 2 stride, ...
+#[derive(Debug, Clone)]
+pub struct Base {
+    pub plan: Vec<Action>,
+    pub score: Score,
+    states: Vec<SimState>,
+}
+
+impl<'a> Context<'a> {
+    /// Evaluations under the graph's default checkpoint segments.
+    pub fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions) -> Self {
+        Self::with_starts(g, budget, opts, &g.block_start)
+    }
+
+    pub fn with_starts(g: &'a Graph, budget: u64, opts: &'a EvalOptions, starts: &'a [bool]) -> Self {
+        let n = g.n;
+        // The stage times still to run after each stage (the optimizer step in one call, the
+        // only one a search evaluation has, included).
+        let opt = if g.has_optimizer { g.opt_step_time } else { 0.0 };
+        let mut rest_after_bwd = vec![0.0; n];
+        let mut acc = opt;
+        for i in 0..n {
+            rest_after_bwd[i] = acc;
+            acc += g.bwd_time[i];
+        }
+        let mut rest_after_fwd = vec![0.0; n];
+        for i in (0..n).rev() {
+            rest_after_fwd[i] = acc;
+            acc += g.fwd_time[i];
+        }
+        // The step time of a plan that never waits and replays nothing, added up in the order the
+        // simulation adds the stage times (so that such a plan's step time is this, bit for bit).
+        let mut min_time = 0.0;
+        for i in 0..n {
+            min_time += g.fwd_time[i];
+        }
+        for i in (0..n).rev() {
+            min_time += g.bwd_time[i];
+        }
+        if g.has_optimizer {
+            min_time += g.opt_step_time;
+        }
+        Context { g, budget, opts, starts, stride: n.div_ceil(SAVED_STATES).max(1), rest_after_fwd, rest_after_bwd, min_time }
+    }
+
+    /// No plan is faster than one scoring `s`: it fits and its step is the sum of the stage times
+    /// (step time = compute + swap stall + recompute, and neither of the last two is negative).
+    pub fn is_optimal(&self, s: &Score) -> bool {
+        s.feasible && s.time <= self.min_time
+    }
+
+    /// A budget of its own (the polish's unlimited-memory scan), same profile.
+    pub fn with_budget(&self, budget: u64) -> Self {
+        Context { budget, ..self.clone() }
+    }
+
+    fn slots(&self) -> usize {
+        self.g.n.div_ceil(self.stride) + 1
+    }
+
+    /// The first forward stage a plan that differs from `plan` at unit `j` (and maybe after it,
+    /// not before) can simulate differently: the first unit of the run of recomputed units
+    /// before j that j could join or split, else j.
+    pub fn affected_from(&self, plan: &[Action], j: usize) -> usize {
+        let mut k = j;
+        while k > 0 && !self.starts[k] && plan[k - 1] == Action::Recompute {
+            k -= 1;
+        }
+        k
+    }
+
+    /// Evaluate `plan` in full, saving its states.
+    pub fn base(&self, plan: &[Action], w: &mut Worker) -> Base {
+        let mut states = vec![SimState::default(); self.slots()];
+        let score = self.run(plan, None, 0, &mut states, None, w).expect("no bound");
+        Base { plan: plan.to_vec(), score, states }
+    }
+
+    /// Make `base` the base of `plan`: resume from the first stage where they can differ and
+    /// save the states from there on.
+    pub fn rebase(&self, base: &mut Base, plan: &[Action], w: &mut Worker) {
+        let Some(j) = (0..plan.len()).find(|&u| plan[u] != base.plan[u]) else { return };
+        let slot = self.affected_from(&base.plan, j) / self.stride;
+        let (head, tail) = base.states.split_at_mut(slot + 1);
+        let resume = if slot == 0 { None } else { Some(&head[slot]) };
+        base.score = self.run(plan, resume, slot + 1, tail, None, w).expect("no bound");
+        base.plan.copy_from_slice(plan);
+    }
+
+    /// The score of `plan`, which agrees with `base.plan` on every unit before `changed_from`;
+    /// None when it cannot beat `bound` (then it is strictly worse).
+    pub fn score(
+        &self,
+        base: &Base,
+        plan: &[Action],
+        changed_from: usize,
+        bound: Option<Score>,
+        w: &mut Worker,
+    ) -> Option<Score> {
+        let changed_from = changed_from.min(plan.len().saturating_sub(1));
+        debug_assert!(plan[..changed_from] == base.plan[..changed_from], "the plan differs before changed_from");
+        let slot = self.affected_from(&base.plan, changed_from) / self.stride;
+        let resume = if slot == 0 { None } else { Some(&base.states[slot]) };
+        self.run(plan, resume, 0, &mut [], bound, w)
+    }
+
+    /// The score of `plan` from scratch (None when it cannot beat `bound`).
+    pub fn score_full(&self, plan: &[Action], bound: Option<Score>, w: &mut Worker) -> Option<Score> {
+        self.run(plan, None, 0, &mut [], bound, w)
+    }
+
+    fn run(
+        &self,
+        plan: &[Action],
+        resume: Option<&SimState>,
+        first_slot: usize,
+        save: &mut [SimState],
+        bound: Option<Score>,
+        w: &mut Worker,
+    ) -> Option<Score> {
+        let mut hooks = Hooks {
+            resume,
+            stride: self.stride,
+            first_slot,
+            save,
+            bound,
+            rest_after_fwd: &self.rest_after_fwd,
+            rest_after_bwd: &self.rest_after_bwd,
+            stages: 0,
+            swaps: false,
+        };
+        let s = score_hooked(self.g, plan, self.starts, self.budget, self.opts, &mut w.scratch, &mut hooks);
+        w.stages += hooks.stages;
+        s
+    }
+}
