@@ -1,6 +1,7 @@
 """Search time against unit count (issue 21): PSO on the TinyGPT profiles of
 rust_core/tests/data (benches/tinygpt_profiles.py makes them) at 30% of the way from the lower
-bound to the unplanned peak, with the default settings and with 100 particles x 50 iterations.
+bound to the unplanned peak, with the default settings, with 100 particles x 50 iterations, and
+the default search without its block-wise levels (`unitwise`).
 
 Prints one JSON line per (profile, settings, repeat): units, seconds, evaluations, the predicted
 step time, and the fitted growth exponent of the medians at the end.
@@ -22,7 +23,9 @@ import tensorplace as tp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "rust_core", "tests", "data")
-SETTINGS = {"default": {}, "small": {"particles": 100, "iterations": 50}}
+# default: the defaults (block-wise above 400 units); unitwise: the same search over single units
+# (500 x 500, no block-wise levels: the search before block-wise, evaluated incrementally)
+SETTINGS = {"default": {}, "small": {"particles": 100, "iterations": 50}, "unitwise": {"block_wise": False}}
 
 
 def load(units: int) -> dict:
