@@ -1329,3 +1329,14 @@ def test_a_segment_whose_calls_pass_views_of_one_storage_replays_the_right_view(
     assert [type(c.module).__name__ for c in program.segments[0].calls] == ["Conv2d", "_Permute", "LayerNorm"]
     assert planned.last_stats.segment_replays == 1
     planned.close()
+
+
+def test_measuring_memory_warns_of_nothing() -> None:
+    """torch 2.11's profiler warns, the first time one starts, that it clears its events at the end
+    of each cycle: a measurement is one cycle, and the warning reached the bench's stderr."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measure_peak(lambda: torch.ones(1000).sum())
+    assert not [w for w in caught if "Profiler" in str(w.message)], [str(w.message) for w in caught]

@@ -12,8 +12,11 @@ allocator's allocations (``device="cuda"``).
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -58,6 +61,21 @@ def memory_trace(prof: profile, device: str = "cpu", keep_timeline: bool = False
     return MemoryTrace(peak, total, allocated, len(events), timeline)
 
 
+@contextlib.contextmanager
+def memory_profile(activities: List[ProfilerActivity]) -> Iterator[profile]:
+    """``torch.profiler.profile(profile_memory=True)``, one cycle, without the warning torch 2.11
+    prints the first time a profiler starts ("Profiler clears events at the end of each cycle":
+    there is one cycle here)."""
+    prof = profile(activities=activities, profile_memory=True, record_shapes=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        prof.__exit__(*sys.exc_info())
+
+
 def measure_peak(
     fn: Callable[..., Any], *args: Any, device: str = "cpu", keep_timeline: bool = False, **kwargs: Any
 ) -> Tuple[Any, MemoryTrace]:
@@ -68,7 +86,7 @@ def measure_peak(
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+    with memory_profile(activities) as prof:
         result = fn(*args, **kwargs)
         if device == "cuda":
             torch.cuda.synchronize()

@@ -460,7 +460,10 @@ def _memory_recording(device: torch.device):
     """torch.profiler recording allocations; yields a list filled, on exit, with the events
     (ns, delta_bytes or None, marker label or None) on `device`, in time order."""
     events: List[Tuple[int, Optional[int], Optional[str]]] = []
-    with torch.profiler.profile(activities=_profiler_activities(device), profile_memory=True) as prof:
+    memory = _cuda_exec_module("memory")
+    recording = (memory.memory_profile(_profiler_activities(device)) if memory is not None
+                 else torch.profiler.profile(activities=_profiler_activities(device), profile_memory=True))
+    with recording as prof:
         yield events
     if device.type == "cuda":
         torch.cuda.synchronize(device)
