@@ -35,6 +35,7 @@ from torch import nn
 
 import tensorplace as tp
 from cuda_exec.cpu_backend import CpuBackend
+from tensorplace.bench import quiet_torch_logs
 from tensorplace.bench.common import HOST_MALLOC_MODES, host_malloc
 
 
@@ -55,6 +56,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     ap.add_argument("--host-malloc", default="keep", choices=HOST_MALLOC_MODES,
                     help="the C heap keeps freed memory (as tensorplace-bench does by default)")
     a = ap.parse_args(argv)
+    quiet_torch_logs()
     malloc = host_malloc(a.host_malloc)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
