@@ -241,6 +241,26 @@ impl Scratch {
         s
     }
 
+    /// Before the first run of an evaluation: every prefetch may be issued as early as its window
+    /// allows ([`run_with_events`]).
+    fn issue_any_time(&mut self, n: usize) {
+        self.issue_from.clear();
+        self.issue_from.resize(n, usize::MAX);
+    }
+
+    /// After a run: the prefetches its first overflow blamed are issued no earlier than the stage
+    /// after it in the next run; false when none moves (the run is the evaluation's last).
+    fn issue_blamed_later(&mut self) -> bool {
+        let mut moved = false;
+        for &(u, stage) in &self.retract {
+            if self.issue_from[u] > stage - 1 {
+                self.issue_from[u] = stage - 1;
+                moved = true;
+            }
+        }
+        moved
+    }
+
     fn reset(&mut self, n: usize) {
         self.resident.clear();
         self.resident.resize(n, false);
@@ -824,8 +844,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
     record: bool,
     ev: &mut E,
 ) -> Outcome {
-    scratch.issue_from.clear();
-    scratch.issue_from.resize(g.n, usize::MAX);
+    scratch.issue_any_time(g.n);
     loop {
         // The events of a retried run would be reported twice: find the schedule without them.
         let out = if E::ENABLED {
@@ -833,15 +852,7 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
         } else {
             simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None).expect("no bound")
         };
-        let mut moved = false;
-        for k in 0..scratch.retract.len() {
-            let (u, stage) = scratch.retract[k];
-            if scratch.issue_from[u] > stage - 1 {
-                scratch.issue_from[u] = stage - 1;
-                moved = true;
-            }
-        }
-        if !moved {
+        if !scratch.issue_blamed_later() {
             return if E::ENABLED { simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None).expect("no bound") } else { out };
         }
     }
@@ -1413,19 +1424,10 @@ pub(crate) fn score_hooked(
     // run_with_events' retries, each resumed from the same saved state (prefetches are issued in
     // the backward only, so the forward states do not depend on when)
     hooks.swaps = actions.contains(&Action::Swap);
-    scratch.issue_from.clear();
-    scratch.issue_from.resize(g.n, usize::MAX);
+    scratch.issue_any_time(g.n);
     loop {
         let out = simulate(g, actions, starts, &StateSwaps::none(), budget, opts, scratch, false, &mut NoEvents, Some(&mut *hooks));
-        let mut moved = false;
-        for k in 0..scratch.retract.len() {
-            let (u, stage) = scratch.retract[k];
-            if scratch.issue_from[u] > stage - 1 {
-                scratch.issue_from[u] = stage - 1;
-                moved = true;
-            }
-        }
-        if !moved {
+        if !scratch.issue_blamed_later() {
             return out.map(|o| o.score());
         }
     }
