@@ -290,6 +290,26 @@ def test_maxbatch_predicts_from_two_saved_profiles(tmp_path, mymodels, capsys):
     assert tp.unplanned_peak(at(b)) <= memory < tp.unplanned_peak(at(b + 1))
 
 
+def test_maxbatch_has_no_rate_where_the_probes_extrapolate_a_step_of_zero(tmp_path, mymodels):
+    """Under load the larger probe can time faster than the smaller: extrapolated to a large
+    batch every stage time is then 0, and the predicted rate is none (it was a division by zero)."""
+    paths = [str(tmp_path / f"b{b}.json") for b in (256, 128)]
+    p256, p128 = deep_profile(256), deep_profile(128)
+    for u in p256["units"]:  # far faster than at 128: extrapolated beyond 256, every time is 0
+        u["fwd_time"] = u["bwd_time"] = 0.0
+    for p in (p128, p256):  # the executor's host time per unit is not extrapolated: none here
+        for u in p["units"]:
+            u.pop("fwd_host_time", None)
+            u.pop("bwd_host_time", None)
+    tp.save_profile(p256, paths[0])
+    tp.save_profile(p128, paths[1])
+    memory = tp.unplanned_peak(extrapolate(p128, 128, p256, 256, 400))
+    data = run_json(tmp_path, ["maxbatch", "--profile", *paths, "--memory", str(memory), *SEARCH,
+                               "--methods", "unplanned"])
+    row = data["rows"][0]
+    assert row["max_batch"] >= 400 and row["predicted_step_time"] == 0.0 and row["predicted_samples_per_s"] is None
+
+
 def test_models_lists_the_zoo(tmp_path):
     data = run_json(tmp_path, ["models"])
     for name in ("gpt", "tinygpt", "inception", "resnet18", "vit_b_16"):
@@ -722,4 +742,7 @@ def test_demo_prints_only_its_own_lines(tmp_path):
     # the same run without the bench's setting shows what it keeps out (where torch prints any)
     probe = subprocess.run([sys.executable, "-c", "import torch\nwith torch.profiler.profile(profile_memory=True):\n"
                             "    torch.ones(1).sum()"], capture_output=True, text=True, timeout=300, env=env)
-    assert all(re.match(FOREIGN, line) for line in probe.stderr.splitlines() if line.strip()), probe.stderr
+    # (torch 2.11 adds its one-cycle profiler warning, which tensorplace's measurements filter)
+    one_cycle = ("Profiler clears events at the end of each cycle", "_warn_once(")
+    assert all(re.match(FOREIGN, line) or any(w in line for w in one_cycle)
+               for line in probe.stderr.splitlines() if line.strip()), probe.stderr

@@ -132,9 +132,12 @@ def _predicted(a: argparse.Namespace, methods: List[str], label: str,
             bar.describe(f"bisecting the batch: {method}")
             b, t = bisect_batch(fits_fn(method), a.max_batch)
             bar.advance()
-            rows.append([method, b, "-" if t is None else f"{b / t:.0f}"])
+            # no rate where the step time is not positive: the two probes' timings (noisy on tiny
+            # models) can extrapolate every stage time to 0 at a large batch
+            rate = b / t if t is not None and t > 0 else None
+            rows.append([method, b, "-" if rate is None else f"{rate:.0f}"])
             a.out.append("rows", {"method": method, "max_batch": b, "predicted_step_time": t,
-                                  "predicted_samples_per_s": None if t is None else b / t})
+                                  "predicted_samples_per_s": rate})
     common.table(f"{label}: largest batch in {format_bytes(memory)} (predicted)", ["method", "max batch", "samples/s"], rows)
     a.out.update(model=label, memory_bytes=memory, mode="predicted")
     return 0
