@@ -1263,6 +1263,20 @@ def test_new_input_shapes_relearn_and_train_as_the_model() -> None:
     planned.close()
 
 
+def _three_steps_bitwise(planned: nn.Module, model: nn.Module, ref: nn.Module, x: torch.Tensor,
+                         y: torch.Tensor) -> None:
+    """Three training steps of `planned` (over `model`) and of `ref`, the same dropout masks: the
+    gradients equal bitwise after each."""
+    for _ in range(3):
+        for m in (model, ref):
+            m.zero_grad()
+        torch.manual_seed(1)
+        loss_fn(planned(x), y).backward()
+        torch.manual_seed(1)
+        loss_fn(ref(x), y).backward()
+        assert all(torch.equal(p1.grad, p2.grad) for p1, p2 in zip(ref.parameters(), model.parameters()))
+
+
 def test_a_segment_of_chained_module_calls_is_replayed_from_them() -> None:
     """A segment that is no single module call but a chain of them (outputs feeding the next
     call's arguments) is aligned too: its replay calls each module again, its arguments the
@@ -1275,14 +1289,7 @@ def test_a_segment_of_chained_module_calls_is_replayed_from_them() -> None:
     acts = ["recompute" if first <= i <= last else "retain" for i in range(len(recs))]
     ref = copy.deepcopy(model)
     planned = PlannedModule(model, acts, backend=CpuBackend())
-    for _ in range(3):
-        for m in (model, ref):
-            m.zero_grad()
-        torch.manual_seed(1)  # the same dropout masks
-        loss_fn(planned(x), y).backward()
-        torch.manual_seed(1)
-        loss_fn(ref(x), y).backward()
-        assert all(torch.equal(p1.grad, p2.grad) for p1, p2 in zip(ref.parameters(), model.parameters()))
+    _three_steps_bitwise(planned, model, ref, x, y)
     program = planned.executor._program
     assert [(s.first, s.last) for s in program.segments] == [(first, last)] and not any(program.tracked)
     assert [type(c.module).__name__ for c in program.segments[0].calls] == \
@@ -1319,12 +1326,7 @@ def test_a_segment_whose_calls_pass_views_of_one_storage_replays_the_right_view(
     acts = ["recompute" if first <= i <= last else "retain" for i in range(len(recs))]
     ref = copy.deepcopy(model)
     planned = PlannedModule(model, acts, backend=CpuBackend())
-    for _ in range(3):
-        for m in (model, ref):
-            m.zero_grad()
-        loss_fn(planned(x), y).backward()
-        loss_fn(ref(x), y).backward()
-        assert all(torch.equal(p1.grad, p2.grad) for p1, p2 in zip(ref.parameters(), model.parameters()))
+    _three_steps_bitwise(planned, model, ref, x, y)
     program = planned.executor._program
     assert [type(c.module).__name__ for c in program.segments[0].calls] == ["Conv2d", "_Permute", "LayerNorm"]
     assert planned.last_stats.segment_replays == 1
