@@ -146,6 +146,30 @@ def test_the_faster_link_regressions_stay_feasible_and_no_slower(name, first_iss
     assert {u: issued[u] for u in first_issue} == first_issue
 
 
+def test_a_needed_prefetch_waits_for_the_swap_out_it_must_not_overlap():
+    """../shared/regressions: unit 0's prefetch, needed at B3, was allocated before unit 2's
+    queued swap-out left, so the peak (4 bytes) passed the budget (3) of a plan called feasible.
+    The prefetch now makes room first: the swap-out leaves before B3 (a deadline) and the plan
+    fits."""
+    d = json.loads((REGRESSIONS / "needed-prefetch-over-budget.json").read_text())
+    p, budget = d["profile"], d["budget"]
+    r = tp.evaluate(p, d["actions"], budget)
+    assert r["feasible"] and r["peak_bytes"] <= budget
+    assert {"unit": 2, "before": "bwd:3"} in r["swap_deadlines"]
+    plan = tp.plan_profile(p, budget, particles=16, iterations=6, seed=3)
+    assert plan.predicted["feasible"] and plan.predicted["peak_bytes"] <= budget
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dag_profiles(max_units=12, checkpointable=True), st.data())
+def test_a_feasible_evaluation_never_peaks_over_its_budget(p, data):
+    n = len(p["units"])
+    plan = data.draw(st.lists(st.sampled_from(ACTIONS), min_size=n, max_size=n))
+    budget = data.draw(st.integers(max(1, tp.lower_bound(p)), max(1, tp.unplanned_peak(p))))
+    r = tp.evaluate(p, plan, budget)
+    assert not r["feasible"] or r["peak_bytes"] <= budget
+
+
 @settings(max_examples=40, deadline=None)
 @given(dag_profiles(max_units=12), st.integers(0, 2**32), st.floats(0.4, 1.0))
 def test_search_results_do_not_depend_on_thread_count(p, seed, frac):

@@ -643,6 +643,9 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.s.ready[u] = self.t;
             return;
         }
+        // Its bytes are allocated at issue: queued swap-outs leave first if they do not fit (a
+        // prefetch the stage needs is issued even when it does not fit; the excess is recorded).
+        self.make_room(self.g.act[u]);
         let (_, end) = self.copy(u, Moved::Activations, false, self.g.act[u]);
         self.mem += self.g.act[u];
         self.ev.alloc(What::Act(u), self.g.act[u], self.t);
