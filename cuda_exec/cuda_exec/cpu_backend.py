@@ -203,6 +203,8 @@ class CpuBackend:
         at stage boundaries. Returns how many were freed. Raises (once) if a copy failed."""
         if self._error is not None:
             self._check()
+        if not self._done:
+            return 0
         with self._lock:
             done, self._done = self._done, []
         freed = 0

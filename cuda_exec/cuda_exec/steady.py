@@ -185,8 +185,8 @@ class _SteadyStep:
     aligned checkpoint segments keep their top calls' arguments (segment_frame.py), tracked ones
     run the tracker (:class:`_ScopedTracker`)."""
 
-    __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "tracker", "scoped", "frames", "acts",
-                 "hold", "verify")
+    __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "hooked", "tracker", "scoped", "frames",
+                 "acts", "hold", "verify")
 
     def __init__(self, ex: "Executor", state: _StepState, program: Program) -> None:
         self.ex = ex
@@ -197,6 +197,8 @@ class _SteadyStep:
         self.armed = False  #: the saved-tensor hooks are on
         self.hooks: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
         self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
+        #: the prefetch stage whose unit's outputs were hooked last, and those outputs
+        self.hooked: Tuple[int, List[torch.Tensor]] = (-1, [])
         self.tracker = _ScopedTracker(ex, state, program.table) if program.any_tracked else None
         self.scoped = False  #: a tracked segment runs (the tracker is on)
         self.frames: List[Optional[SegmentFrame]] = [None] * len(program.segments)
@@ -285,14 +287,26 @@ class _SteadyStep:
         s = u - 1
         if s in st.prefetch_at:
             # a fallback if unit s's output had no gradient: the gradients of unit u's inputs
-            # arrive after stage u's backward (never before stage s starts)
-            self._prefetch_hooks(s, args)
+            # arrive after stage u's backward (never before stage s starts); an input that is an
+            # output of unit s is hooked already
+            hs, outs = self.hooked
+            self._prefetch_hooks(s, args, outs if hs == s else ())
+        self.hooked = (-1, [])
 
-    def _prefetch_hooks(self, s: int, values: Any) -> None:
+    def _prefetch_hooks(self, s: int, values: Any, hooked: Any = ()) -> List[torch.Tensor]:
+        """Issue stage ``s``'s prefetches when the gradient of any tensor of ``values`` arrives
+        (except those in ``hooked``, whose hooks do that already); returns the tensors hooked."""
         st = self.state
+        out = []
+        fire = None
         for a in pytree.tree_leaves(values):
-            if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None:
-                a.register_hook(st.guarded(lambda grad, s=s: st.issue_prefetches(s)))
+            if (isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None
+                    and not (hooked and any(a is h for h in hooked))):
+                if fire is None:
+                    fire = st.guarded(lambda grad, s=s: st.issue_prefetches(s))
+                a.register_hook(fire)
+                out.append(a)
+        return out
 
     # the forward hook of the unit modules of prefetch stages and tracked units
     def call_end(self, module: nn.Module, output: Any) -> None:
@@ -302,7 +316,10 @@ class _SteadyStep:
         if post is not None and post[1] is module:
             self.post = None
             # backward stage u starts (after the glue after it) when its output's gradient arrives
-            self._untracked(self._prefetch_hooks, post[0], output)
+            self._untracked(self._post_hooks, post[0], output)
+
+    def _post_hooks(self, u: int, output: Any) -> None:
+        self.hooked = (u, self._prefetch_hooks(u, output))
 
     def _call_mismatch(self, c: int, module: nn.Module) -> PlanMismatchError:
         events = self.p.events
@@ -385,6 +402,7 @@ class _SteadyStep:
         p = self.p
         tb = p.table
         n = len(tb.pack_start)
+        self.hooked = (-1, [])
         if self.c != len(p.events):
             raise PlanMismatchError(
                 f"the model made {self.c} calls of hooked modules, {len(p.events)} in the executor's first step"
