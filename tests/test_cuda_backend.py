@@ -3,11 +3,14 @@
 Three groups:
 - detection, everywhere: without a GPU, cuda_available() is False, cuda_status() names the reason,
   and CudaBackend() refuses with that reason;
-- the backend's logic, everywhere: the backend runs against FakeRuntime, an emulation of the
-  cuda-python runtime calls it uses, on host memory, whose copy stream only makes progress when
-  the test (or a wait / synchronize) lets it. That checks ordering (events, waits), lifetimes
-  (sources held until their copy ran), the pinned pool, close(), error names and the absence of
-  host synchronisation in the hot path, without a GPU;
+- the backend's logic, everywhere: the backend runs on the simulated device
+  (cuda_exec.sim_device: the cuda-python runtime calls it uses, on host memory, with a clock,
+  streams, events and copy engines) stepped by hand (FakeRuntime: its copies complete only when
+  the test, a wait or a synchronize lets them). That checks ordering (events, waits, the two copy
+  streams, fences on reused pinned buffers), lifetimes (sources held until their copy ran), the
+  host-side D2H queue (its window, cancellations, deadlines), the pinned pool, close(), error
+  names and the absence of host synchronisation in the hot path, without a GPU (whole planned
+  steps on it: tests/test_sim_device.py);
 - the real thing, only on a GPU (skipped elsewhere with cuda_status() as the reason): bitwise round
   trips, overlap of copies with compute, pool reuse, close() freeing pinned memory, autograd.
 """
@@ -15,12 +18,9 @@ Three groups:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import itertools
 import time
 import weakref
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +36,7 @@ from cuda_exec.cuda_backend import (
     size_class,
 )
 from cuda_exec.gpu import cuda_available, cuda_status, runtime_module
+from cuda_exec.sim_device import SimDevice, SimError, SimTorch
 
 RT = runtime_module()
 E = RT.cudaError_t
@@ -119,215 +120,19 @@ def test_dense_detection():
     assert not _is_dense(torch.empty(5, 1).expand(5, 7))
 
 
-# --------------------------------------------------------------------------- the fake runtime
+# --------------------------------------------------------------------------- the simulated device
 
 
-class _Event:
-    _ids = itertools.count(1)
-
-    def __init__(self, flags):
-        self.id = next(self._ids)
-        self.flags = flags
-        self.recorded = 0  # generation of the latest cudaEventRecord
-        self.completed = 0  # generation that has completed
-        self.time = None
-        self.alive = True
-
-    def __int__(self):
-        return self.id
+def FakeRuntime():
+    """The simulated device (cuda_exec.sim_device) stepped by hand: its host clock moves only in
+    run(), in blocking calls and when a test advances it, so a copy completes only then; a compute
+    stream's wait for a copy moves the copy's bytes (device side) without moving the host."""
+    return SimDevice(d2h_bandwidth=1e9, h2d_bandwidth=1e9, host="manual")
 
 
-def _api(nvals):
-    """Record the call; return an injected error (with `nvals` None values) if one is armed."""
-
-    def wrap(fn):
-        def call(self, *args):
-            self.calls.append(fn.__name__)
-            err = self.fail.pop(fn.__name__, None)
-            if err is not None:
-                return (err,) + (None,) * nvals
-            out = fn(self, *args)
-            return (E.cudaSuccess,) + ((out,) if nvals else ())
-
-        call.__name__ = fn.__name__
-        return call
-
-    return wrap
-
-
-class FakeRuntime:
-    """The cuda-python runtime calls the backend uses, emulated on host memory. Compute streams
-    (any stream but the copy stream) are the host: work on them is already done. The copy stream
-    is a queue that runs only in run(), cudaStreamSynchronize / cudaEventSynchronize, or when a
-    compute stream waits on one of its events."""
-
-    def __init__(self):
-        self.calls = []
-        self.fail = {}
-        self.queue = deque()
-        self.copy = None
-        self.streams = set()
-        self.events = {}
-        self.host = {}  # pointer -> ctypes buffer
-        self.host_allocs = 0
-        self.host_frees = 0
-        self.compute_records = []  # streams events were recorded on (other than the copy stream)
-        self.waits = []  # (waiting stream, event id)
-        self.device_alive = None  # (ptr, n) -> whether a live device tensor owns that memory
-
-    def __getattr__(self, name):  # enums, flags, error names
-        return getattr(RT, name)
-
-    def _is_copy(self, stream):
-        return int(stream) == self.copy
-
-    def _event(self, ev):
-        assert isinstance(ev, _Event) and ev.alive and ev.id in self.events, "dead or foreign event"
-        return ev
-
-    def _pinned(self, ptr, n):
-        return any(p <= ptr and ptr + n <= p + len(buf) for p, buf in self.host.items())
-
-    @_api(1)
-    def cudaStreamCreateWithFlags(self, flags):
-        assert flags == RT.cudaStreamNonBlocking
-        s = RT.cudaStream_t(0xC0FFEE + len(self.streams))
-        self.copy = int(s)
-        self.streams.add(int(s))
-        return s
-
-    @_api(0)
-    def cudaStreamDestroy(self, s):
-        assert not self.queue, "stream destroyed with queued work"
-        self.streams.remove(int(s))
-
-    @_api(1)
-    def cudaEventCreateWithFlags(self, flags):
-        ev = _Event(flags)
-        self.events[ev.id] = ev
-        return ev
-
-    @_api(0)
-    def cudaEventDestroy(self, ev):
-        self._event(ev).alive = False
-        del self.events[ev.id]
-
-    @_api(0)
-    def cudaEventRecord(self, ev, stream):
-        ev = self._event(ev)
-        ev.recorded += 1
-        if self._is_copy(stream):
-            self.queue.append(("record", ev, ev.recorded))
-        else:
-            self.compute_records.append(int(stream))
-            ev.completed, ev.time = ev.recorded, time.perf_counter()
-
-    @_api(0)
-    def cudaStreamWaitEvent(self, stream, ev, flags):
-        ev = self._event(ev)
-        self.waits.append((int(stream), ev.id))
-        if self._is_copy(stream):
-            self.queue.append(("wait", ev, ev.recorded))
-        else:
-            self._run_until(ev, ev.recorded)
-
-    @_api(0)
-    def cudaMemcpyAsync(self, dst, src, n, kind, stream):
-        assert self._is_copy(stream), "copies belong on the copy stream"
-        if kind == RT.cudaMemcpyKind.cudaMemcpyDeviceToHost:
-            assert self._pinned(dst, n), "D2H target is not a pinned buffer"
-        else:
-            assert kind == RT.cudaMemcpyKind.cudaMemcpyHostToDevice
-            assert self._pinned(src, n), "H2D source is not a pinned buffer"
-        self.queue.append(("copy", dst, src, n))
-
-    def cudaEventQuery(self, ev):
-        self.calls.append("cudaEventQuery")
-        err = self.fail.pop("cudaEventQuery", None)
-        if err is not None:
-            return (err,)
-        ev = self._event(ev)
-        return (E.cudaSuccess,) if ev.completed >= ev.recorded else (E.cudaErrorNotReady,)
-
-    @_api(0)
-    def cudaEventSynchronize(self, ev):
-        ev = self._event(ev)
-        self._run_until(ev, ev.recorded)
-
-    @_api(0)
-    def cudaStreamSynchronize(self, stream):
-        if self._is_copy(stream):
-            self.run()
-
-    @_api(0)
-    def cudaDeviceSynchronize(self):
-        self.run()
-
-    @_api(1)
-    def cudaEventElapsedTime(self, a, b):
-        assert a.flags == b.flags == RT.cudaEventDefault, "timing needs timing events"
-        return (b.time - a.time) * 1e3
-
-    @_api(1)
-    def cudaHostAlloc(self, n, flags):
-        buf = ctypes.create_string_buffer(n)
-        self.host[ctypes.addressof(buf)] = buf
-        self.host_allocs += 1
-        return ctypes.addressof(buf)
-
-    @_api(0)
-    def cudaFreeHost(self, ptr):
-        del self.host[ptr]
-        self.host_frees += 1
-
-    # the device making progress
-    def run(self, n=None):
-        while self.queue and (n is None or n > 0):
-            op = self.queue.popleft()
-            if op[0] == "copy":
-                if self.device_alive is not None and not self._pinned(op[1], op[3]):
-                    # an H2D copy: its target must still belong to a live tensor, else torch
-                    # could already have given the memory to someone else
-                    assert self.device_alive(op[1], op[3]), "H2D copy into a freed tensor"
-                ctypes.memmove(op[1], op[2], op[3])
-            elif op[0] == "wait":
-                assert op[1].completed >= op[2], "copy stream waits on an event that never completes"
-            else:
-                op[1].completed = max(op[1].completed, op[2])
-                op[1].time = time.perf_counter()
-            n = None if n is None else n - 1
-
-    def _run_until(self, ev, gen):
-        while ev.completed < gen:
-            assert self.queue, "waiting on an event nothing will complete"
-            self.run(1)
-
-
-class FakeTorch:
-    """The backend's torch adapter on CPU tensors, with a current stream the test can switch."""
-
-    def __init__(self):
-        self.device = torch.device("cpu")
-        self.stream = 7
-        self.recorded = []  # (data_ptr, stream) of record_stream calls
-        self.allocated = []  # (data_ptr, nbytes, weakref) of every tensor the backend allocated
-
-    def current_stream(self):
-        return SimpleNamespace(cuda_stream=self.stream)
-
-    def empty_strided(self, size, stride, dtype):
-        t = torch.empty_strided(size, stride, dtype=dtype)
-        self.allocated.append((t.data_ptr(), t.untyped_storage().nbytes(), weakref.ref(t)))
-        return t
-
-    def alive(self, ptr, n):
-        return any(p <= ptr and ptr + n <= p + size and ref() is not None for p, size, ref in self.allocated)
-
-    def record_stream(self, tensor, stream):
-        self.recorded.append((tensor.data_ptr(), stream.cuda_stream))
-
-    def device_guard(self):
-        return contextlib.nullcontext()
+def FakeTorch():
+    """The backend's torch adapter on CPU tensors, on compute stream 7 until a test switches it."""
+    return SimTorch(stream=7)
 
 
 @pytest.fixture
@@ -341,6 +146,7 @@ def fake(monkeypatch):
     backend = CudaBackend(_runtime=rt, _torch=tt)
     yield SimpleNamespace(rt=rt, torch=tt, b=backend)
     backend.close()
+    assert rt.unrecorded_waits == 0, "a stream waited on an event never recorded (a no-op in CUDA)"
 
 
 def _bits(t):
@@ -375,18 +181,22 @@ def _cases(device):
     }
 
 
-# --------------------------------------------------------------------------- logic, on the fake
+# --------------------------------------------------------------------------- logic, on the simulated device
 
 
 def test_fake_round_trip_bitwise_and_layouts(fake):
-    b, rt = fake.b, fake.rt
+    """Through pinned memory and back: the offload completes and its source goes before the
+    fetch, so the fetch copies back into a new tensor."""
+    b, rt, tt = fake.b, fake.rt, fake.torch
     for name, x in _cases("cpu").items():
         ref, dense, stride = _bits(x).clone(), _is_dense(x) and not x.is_conj(), x.stride()
         h = b.offload(x)
         assert h.nbytes == x.numel() * x.element_size()
-        del x  # the backend keeps the source alive until its copy ran
-        gc.collect()
-        y = b.fetch(h)  # runs the copies up to this handle's H2D (a compute-stream wait)
+        del x
+        rt.run()
+        b.poll()  # the copy completed: the backend lets go of the source
+        assert b.pending_offloads == 0
+        y = b.fetch(h)  # an H2D copy; the compute stream's wait moves its bytes
         assert torch.equal(_bits(y), ref), name
         if dense:
             assert y.stride() == stride, name
@@ -395,6 +205,10 @@ def test_fake_round_trip_bitwise_and_layouts(fake):
         assert not y.is_conj()
         b.release(h)
     assert not any(c in SYNC_CALLS for c in rt.calls)
+    d2h = {c.stream for c in rt.copies if c.direction == "d2h"}
+    h2d = {c.stream for c in rt.copies if c.direction == "h2d"}
+    assert d2h == {b.d2h_stream} and h2d == {b.h2d_stream} and b.d2h_stream != b.h2d_stream
+    assert b.copy_engines == CudaBackend.copy_engines == 2
     b.synchronize()
     assert b.pool.bytes_in_use == 0 and b.pending_offloads == 0
 
@@ -405,10 +219,10 @@ def test_fake_source_held_until_copy_completes(fake):
     ptr = x.data_ptr()
     h = b.offload(x)
     del x
-    assert rt.queue, "offload queued the copy and returned"
+    assert rt.queue, "offload issued the copy and returned"
     for _ in range(3):  # polling never blocks and never drops the source early
         assert b.poll() == 1
-        assert any(src.data_ptr() == ptr for _ev, src in b._pending)
+        assert any(src.data_ptr() == ptr for _ev, src, _n in b._pending)
     rt.run()
     assert b.poll() == 0 and not b._pending
     assert torch.equal(b.fetch(h), torch.arange(1 << 16, dtype=torch.float32))
@@ -427,18 +241,23 @@ def test_fake_prefetch_before_the_offload_completed_hands_back_the_source(fake):
     y = b.fetch(h)
     assert y.data_ptr() == ptr and torch.equal(y, torch.arange(1 << 12, dtype=torch.float32))
     assert not tt.allocated and b.stats["h2d_bytes"] == 0 and b.stats["kept_sources"] == 1
-    rt.run()  # the offload's copy still runs (it was queued); then everything is given back
+    rt.run()  # the offload's copy still runs (it was issued); then everything is given back
     del y
     b.release(h)
     b.synchronize()
     assert b.pool.bytes_in_use == 0 and b.pending_offloads == 0
-    # after a swap deadline let the source go, a prefetch copies back as usual
+    # after a swap deadline let the source go, a prefetch copies back as usual, on the other
+    # stream, after the D2H copy: the H2D stream waits for the offload's event
     z = torch.arange(1 << 12, dtype=torch.float32)
     h = b.offload(z)
     b.release_offload(h)
     del z
+    done = h._slot.offload_event
     b.prefetch(h)
+    assert (b.h2d_stream, done.id) in rt.waits
     assert tt.allocated and b.stats["h2d_bytes"] == 1 << 14
+    d2h, h2d = [c for c in rt.copies if c.nbytes == 1 << 14][-2:]
+    assert (d2h.direction, h2d.direction) == ("d2h", "h2d") and h2d.start >= d2h.end
     assert torch.equal(b.fetch(h), torch.arange(1 << 12, dtype=torch.float32))
     b.release(h)
 
@@ -472,11 +291,11 @@ def test_fake_ordering_follows_the_live_compute_stream(fake):
     b, rt, tt = fake.b, fake.rt, fake.torch
     tt.stream = 11  # forward on stream 11
     h = b.offload(torch.ones(1000))
-    assert rt.compute_records == [11]
-    assert rt.waits[-1][0] == rt.copy  # the copy stream waits for the compute stream
+    assert rt.compute_records == [11]  # the activation is ready when stream 11's work so far is
+    assert rt.waits[-1] == (b.d2h_stream, rt.waits[-1][1])  # the D2H stream waits for it
     rt.run()  # the offload completed: a prefetch copies back
-    b.prefetch(h)  # allocation on stream 11: the copy waits for it again
-    assert rt.compute_records == [11, 11]
+    b.prefetch(h)  # allocation on stream 11: the H2D stream waits for it
+    assert rt.compute_records == [11, 11] and rt.waits[-1][0] == b.h2d_stream
     tt.stream = 23  # backward on another thread's stream
     y = b.fetch(h)
     assert rt.waits[-1] == (23, h._slot.ready_event.id)  # stream 23 waits, the host does not
@@ -515,7 +334,7 @@ def test_fake_dropped_handles_are_reclaimed(fake):
     del hs
     gc.collect()
     b.poll()
-    assert b.pool.bytes_in_use == 0
+    assert b.pool.bytes_in_use == 0 and b.queued_offloads == 0
 
 
 def _step(b, sizes, base):
@@ -533,12 +352,14 @@ def test_fake_pool_reused_across_steps_and_close_frees_everything(fake):
     b, rt = fake.b, fake.rt
     sizes = [1000, 1000, 300000, 7, 65536, 1 << 20, 1000]
     _step(b, sizes, 0)
-    allocs, events = rt.host_allocs, b._events.created
+    allocs = rt.host_allocs
     assert allocs == len(sizes) and b.pool.stats()["allocations"] == allocs
-    _step(b, sizes, 100)
+    _step(b, sizes, 100)  # the buffers now carry fences (their H2D copies' events)
+    events = b._events.created
     _step(b, list(reversed(sizes)), 200)
-    assert rt.host_allocs == allocs, "second step allocated pinned memory"
-    assert b._events.created == events
+    _step(b, sizes, 250)
+    assert rt.host_allocs == allocs, "a later step allocated pinned memory"
+    assert b._events.created == events, "events are pooled: a steady step creates none"
     # a slightly smaller step still fits the buffers it has
     _step(b, [n - 3 for n in sizes if n > 10], 300)
     assert rt.host_allocs == allocs
@@ -546,7 +367,7 @@ def test_fake_pool_reused_across_steps_and_close_frees_everything(fake):
     b.close()
     assert not rt.host and rt.host_frees == rt.host_allocs
     assert not rt.events and b._events.destroyed == b._events.created
-    assert not rt.streams and not b._pending
+    assert not rt.streams and not b._pending and not b._queue
     assert b.pool.stats()["bytes_reserved"] == 0
     b.close()  # idempotent
     b.release(h)  # a no-op after close
@@ -556,10 +377,15 @@ def test_fake_pool_reused_across_steps_and_close_frees_everything(fake):
 
 def test_fake_reserve_preallocates(fake):
     b, rt = fake.b, fake.rt
-    b.reserve([4 << 20, 4 << 20, 20000])  # bytes
+    assert b.reserve([4 << 20, 4 << 20, 20000]) == 3  # bytes
     assert rt.host_allocs == 3
     _step(b, [1 << 20, (1 << 20) - 8, 4999], 0)  # float32 elements
     assert rt.host_allocs == 3
+    # the buffers the pool has count, free or in use: reserving the same set again makes none
+    h = b.offload(torch.ones(1 << 20))
+    assert b.reserve([4 << 20, 4 << 20, 20000]) == 0 and b.reserve([4 << 20] * 3) == 1
+    assert rt.host_allocs == 4 and b.stats["reserved_buffers"] == 4
+    b.release(h)
 
 
 def test_fake_errors_name_the_cuda_error(fake):
@@ -582,9 +408,138 @@ def test_fake_errors_name_the_cuda_error(fake):
 
 def test_fake_bandwidth_uses_timed_events(fake):
     d2h, h2d = fake.b.bandwidth(8 << 20)
-    assert d2h > 1e6 and h2d > 1e6
+    assert d2h == pytest.approx(1e9) and h2d == pytest.approx(1e9)  # the simulated engines' speed
     assert fake.b.pool.bytes_in_use == 0
     assert fake.rt.host_allocs == 1
+
+
+# the host-side D2H queue, its window and cancellations
+
+
+def test_fake_offloads_wait_on_the_host_within_a_window(fake):
+    """The D2H stream gets the running copy and at most `d2h_window` copies (of at most
+    `d2h_window_bytes`, beyond one) behind it; the rest wait on the host until copies complete."""
+    rt, tt = fake.rt, fake.torch
+    b = CudaBackend(_runtime=rt, _torch=tt, d2h_window=1, d2h_window_bytes=1 << 20)
+    xs = [torch.full((1000,), float(i)) for i in range(6)]
+    hs = [b.offload(x) for x in xs]
+    assert len([c for c in rt.copies if c.direction == "d2h"]) == 2 and b.queued_offloads == 4
+    assert b.poll() == 6  # nothing completed: nothing more issued
+    rt.advance(rt.copies[0].end - rt.now)  # the first copy has ended
+    b.poll()
+    assert len(rt.copies) == 3 and b.queued_offloads == 3
+    while b.queued_offloads:  # each completion lets the next copies go
+        rt.run()
+        b.poll()
+    rt.run()
+    assert b.poll() == 0
+    for h in hs:
+        b.release(h)
+    b.close()
+    # bytes: any copy may wait behind the running one; more only within d2h_window_bytes
+    b = CudaBackend(_runtime=rt, _torch=tt, d2h_window=2, d2h_window_bytes=1 << 20)
+    hs = [b.offload(torch.ones(10)), b.offload(torch.ones(1 << 19)), b.offload(torch.ones(10))]
+    assert b.queued_offloads == 1  # 2 MiB behind the running copy: the window's bytes are taken
+    for h in hs:
+        b.release(h)
+    b.synchronize()
+    b.close()
+    with pytest.raises(ValueError, match="d2h_window"):
+        CudaBackend(_runtime=rt, _torch=tt, d2h_window=-1)
+
+
+def test_fake_a_fetch_of_a_queued_offload_cancels_its_copy(fake):
+    """An offload still in the host queue when its tensor is needed is never copied: the fetch
+    hands back the device bytes, the D2H copy is never issued (the cost model's cancelled
+    swap-out), and a release of a queued offload drops it too."""
+    rt, tt = fake.rt, fake.torch
+    b = CudaBackend(_runtime=rt, _torch=tt, d2h_window=0)
+    xs = [torch.full((5000,), float(i)) for i in range(4)]
+    ptrs = [x.data_ptr() for x in xs]
+    hs = [b.offload(x) for x in xs]
+    assert b.queued_offloads == 3  # one copy in flight, no window
+    y = b.fetch(hs[2])
+    assert y.data_ptr() == ptrs[2] and torch.equal(y, xs[2])
+    assert b.stats["cancelled_offloads"] == 1 and b.stats["cancelled_bytes"] == 20000
+    assert not b.offload_in_flight(hs[2]) and b.offload_in_flight(hs[3])
+    b.prefetch(hs[3])  # a prefetch cancels too
+    b.release(hs[1])  # dropped, never copied
+    b.synchronize()
+    copied = {c.src for c in rt.copies if c.direction == "d2h"}
+    assert copied == {ptrs[0]}
+    assert b.stats["cancelled_offloads"] == 2 and b.stats["d2h_copies"] == 1
+    assert torch.equal(b.fetch(hs[3]), xs[3]) and torch.equal(b.fetch(hs[0]), xs[0])
+    for h in hs:
+        b.release(h)
+    assert b.pool.bytes_in_use == 0
+    b.close()
+
+
+def test_fake_a_deadline_issues_the_queued_offloads_before_it(fake):
+    rt, tt = fake.rt, fake.torch
+    b = CudaBackend(_runtime=rt, _torch=tt, d2h_window=0)
+    xs = [torch.full((5000,), float(i)) for i in range(4)]
+    refs = [StorageWeakRef(x.untyped_storage()) for x in xs]
+    hs = [b.offload(x) for x in xs]
+    del xs
+    b.release_offload(hs[2])  # issues 1 and 2 (FIFO), the compute stream waits for 2
+    assert b.queued_offloads == 1 and b.stats["d2h_copies"] == 3
+    gc.collect()
+    assert [r.expired() for r in refs] == [True, True, True, False]
+    assert (fake.torch.stream, hs[2]._slot.offload_event.id) in rt.waits
+    assert not any(c in SYNC_CALLS for c in rt.calls)
+    b.wait_offload(hs[3])  # the host waits: issued, then synchronised
+    assert rt.blocking["cudaEventSynchronize"] == 1 and b.pending_offloads == 0
+    for h in hs:
+        b.release(h)
+    b.close()
+
+
+def test_fake_a_buffer_read_by_an_h2d_copy_is_fenced_before_the_next_d2h(fake, monkeypatch):
+    """The two directions run on different streams: a pinned buffer given back while its H2D copy
+    may still read it keeps the copy's event, and the next D2H copy into it waits for it (here the
+    next offload comes from another compute stream, which nothing else orders after the H2D).
+    Without the fence the simulated device sees the D2H copy overwrite the buffer during the H2D."""
+    b, rt, tt = fake.b, fake.rt, fake.torch
+    x = torch.arange(1 << 14, dtype=torch.float32)
+
+    def read_then_reuse(value):
+        tt.stream = 5
+        h = b.offload(x)
+        rt.run()
+        b.poll()
+        b.prefetch(h)  # H2D out of the buffer, still running
+        ready, ptr = h._slot.ready_event, h._slot.ptr
+        b.release(h)
+        tt.stream = 9
+        return ready, ptr, b.offload(x + value)  # the same buffer, written on the D2H stream
+
+    ready, ptr, h2 = read_then_reuse(1)
+    assert h2._slot.ptr == ptr and (b.d2h_stream, ready.id) in rt.waits
+    h2d, d2h = [c for c in rt.copies if ptr in (c.src, c.dst)][-2:]
+    assert h2d.direction == "h2d" and d2h.direction == "d2h" and d2h.start >= h2d.end
+    rt.run()
+    b.poll()
+    assert torch.equal(b.fetch(h2), x + 1)
+    b.release(h2)
+    rt.run()
+    b.poll()
+    lost = []  # the same without the fence: the pool loses it
+    monkeypatch.setattr(b.pool, "take_fence", lambda p: lost.append(b.pool._fences.pop(p, None)))
+    with pytest.raises(SimError, match="while a host-to-device copy out of it runs"):
+        read_then_reuse(2)
+
+
+def test_fake_sources_are_checked_until_their_copy_ran(fake):
+    """The simulated device checks the backend's lifetimes: a source written (or freed and
+    reused) before its copy ran is reported when the copy's bytes move."""
+    b, rt = fake.b, fake.rt
+    x = torch.zeros(1000)
+    h = b.offload(x)
+    x.add_(1)  # the executor's rule: never written before its copy completed
+    with pytest.raises(SimError, match="source of a device-to-host copy .* changed"):
+        rt.run()
+    b.release(h)
 
 
 def _mlp():
@@ -619,6 +574,37 @@ def test_fake_under_autograd(fake):
     assert all(torch.equal(a, c) for a, c in zip(ref, got))
     fake.b.synchronize()
     assert fake.b.pool.bytes_in_use == 0
+
+
+def test_executor_reserves_the_swap_set_after_its_learning_step():
+    """The executor reserves pinned buffers for its plan's swapped storages after its learning
+    step (the pool then has one per storage, counting those the step holds): steady steps
+    allocate no pinned memory and make no host-blocking call."""
+    from cuda_exec.executor import PlannedModule
+
+    dev = SimDevice(d2h_bandwidth=1e9, h2d_bandwidth=1e9, host="ahead")
+    backend = CudaBackend(_runtime=dev, _torch=dev.torch)
+    asked = []
+    reserve = backend.reserve
+    backend.reserve = lambda sizes: asked.append(sorted(sizes)) or reserve(sizes)
+    model, x = _mlp(), torch.randn(16, 32)
+    ref = _grads(model, x)
+    planned = PlannedModule(model, ["swap", "swap", "retain", "swap"], backend=backend)
+    try:
+        _grads(planned, x)
+        assert len(asked) == 1 and dev.pinned_allocs == len(asked[0]) == 3
+        for _ in range(2):
+            dev.run()  # the previous step's copies have run (this plan has no swap deadlines)
+            dev.reset_counters()
+            got = _grads(planned, x)
+            assert all(torch.equal(a, c) for a, c in zip(ref, got))
+            assert dev.pinned_allocs == 0 and not dev.blocking
+            # one copy per swapped storage, the sizes reserved
+            assert sorted(c.nbytes for c in dev.copies if c.direction == "d2h") == asked[0]
+        assert len(asked) == 1  # once, after the learning step
+    finally:
+        planned.close()
+        backend.close()
 
 
 # --------------------------------------------------------------------------- on a real GPU

@@ -1,4 +1,4 @@
-"""The CUDA host tier: activations swapped to pinned host memory on a dedicated copy stream.
+"""The CUDA host tier: activations swapped to pinned host memory on two copy streams.
 
 Built on cuda-python's runtime bindings (`cuda.bindings.runtime`); torch is used only for what
 torch owns: allocating device tensors through its caching allocator, naming the current compute
@@ -6,36 +6,55 @@ stream, and `record_stream`.
 
 Streams and ordering
 --------------------
-- One copy stream per backend, created with `cudaStreamCreateWithFlags(cudaStreamNonBlocking)`, so
-  it never synchronises implicitly with the legacy default stream. All copies (D2H and H2D) run on
-  it in FIFO order: that is the cost model's single copy queue (docs/cost-model.md).
+- Two copy streams per backend, one per direction (`copy_engines = 2`: a GPU's device-to-host and
+  host-to-device copies run at once on separate copy engines, the cost model's two copy queues,
+  docs/cost-model.md). Both are created with `cudaStreamCreateWithFlags(cudaStreamNonBlocking)`, so
+  they never synchronise implicitly with the legacy default stream.
 - The compute stream is looked up live on every call (`torch.cuda.current_stream(device)`): the
   forward runs on the user's stream and autograd runs backward on its own device thread, where the
   current stream may differ. Nothing caches it.
-- offload: record an event on the compute stream, make the copy stream wait on it (so the copy
-  reads the finished activation), `cudaMemcpyAsync` D2H into a pinned buffer, record a completion
-  event on the copy stream. Returns at once. The copy is ordered after the work queued so far on
-  the current stream: the tensor must have been produced there (or on a stream already ordered
-  before it), and must not be modified in place until the copy completed (the executor's rule).
-- The source tensor is kept alive (a strong reference in a FIFO of pending copies) until its
-  completion event has fired; the FIFO is polled with `cudaEventQuery` (never blocking) at every
+- offload: record an event on the compute stream now (the copy must read the finished
+  activation) and put the copy in a **host-side queue**; return at once. Device-to-host copies are
+  issued from that queue to the D2H stream with a small window in flight: a copy is issued when no
+  D2H copy is in flight, or when at most `d2h_window` copies of at most `d2h_window_bytes` bytes in
+  all would wait behind the one running (what is in flight is what `cudaEventQuery` has not seen
+  complete). Every call into the backend issues what the window allows. Issuing: the D2H stream
+  waits for the offload's compute event (and for the pinned buffer's fence, below),
+  `cudaMemcpyAsync` D2H, a completion event on the D2H stream.
+- **Cancelling.** A copy queued on a CUDA stream cannot be taken back; one still in the host queue
+  can. A prefetch or fetch of an offload that has not been issued cancels it: its device bytes are
+  used as they are (the cost model cancels a swap-out that is still queued when its tensor is
+  needed, and so never copies it); a release drops it. So at most the window's copies run that the
+  model did not want, never a backlog of them.
+- The source tensor is kept alive (a strong reference) until its copy has completed: in the host
+  queue, then in a FIFO of issued copies polled with `cudaEventQuery` (never blocking) at every
   call into the backend and in `poll()`. Then the reference is dropped and torch's caching
   allocator gets the memory back. Until that moment the caching allocator cannot hand the block to
-  anyone else, so the copy never reads reused memory.
+  anyone else, so the copy never reads reused memory. (The sources are not marked with
+  `record_stream` on the copy stream: torch's allocator would then count the block as freed when
+  the tensor dies but reuse it only once the host sees the copy's event complete, at some later
+  allocation, so a swap deadline, below, could not make it reusable at once; see
+  docs/cost-model.md, "Where the executor differs".)
 - prefetch: allocate the device tensor with torch on the current compute stream (so the caching
-  allocator associates the block with that stream), make the copy stream wait for the compute
-  stream (the block may have been freed by compute work that is still queued), `cudaMemcpyAsync`
-  H2D, record a ready event. Returns at once.
+  allocator associates the block with that stream), make the H2D stream wait for the compute
+  stream (the block may have been freed by compute work that is still queued) and for the
+  offload's completion event if it has not been seen complete (the two directions run on
+  different streams), `cudaMemcpyAsync` H2D, record a ready event. Returns at once. If the offload
+  is still queued on the host it is cancelled instead; if it was issued but has not completed, its
+  source (still alive) is handed back, no second copy is allocated next to it.
 - fetch: `cudaStreamWaitEvent(current compute stream, ready event)` - a device-side wait, the host
   never blocks - and `tensor.record_stream(current stream)`, so if fetch runs on another stream
   than the one the tensor was allocated on, the caching allocator will not reuse it early.
-- A swap deadline (`release_offload`) is a device-side wait too: the compute stream waits for the
-  offload's completion event and the source is dropped at once.
+- A swap deadline (`release_offload`) is a device-side wait too: the offload (and every offload
+  queued on the host before it) is issued if it was not, the compute stream waits for its
+  completion event (and so, the D2H stream being FIFO, for every D2H copy before it) and the
+  sources are dropped at once: the caching allocator may reuse their blocks for later compute
+  work right away, which the stream wait orders after the copies.
 - Nothing in offload / prefetch / fetch / release / poll / release_offload synchronises the device
   or even a stream:
   no `cudaDeviceSynchronize`, no `torch.cuda.synchronize`, no `cudaStreamSynchronize`. Only
-  `synchronize()` (waits for the copy stream alone), `bandwidth()` (a measurement) and `close()`
-  block the host.
+  `synchronize()` (waits for the copy streams alone), `wait_offload()`, `bandwidth()` (a
+  measurement) and `close()` block the host.
 - A prefetched tensor that is released (or whose handle is garbage collected) without being
   fetched: its allocation stream is made to wait for the ready event before the tensor is dropped,
   so the caching allocator cannot reuse the block while the H2D copy is still writing into it.
@@ -45,10 +64,13 @@ Pinned host buffers
 Allocating pinned memory costs milliseconds per call, so buffers come from `PinnedPool`: size
 classes (4 KiB minimum; above that, four classes per power of two, so at most 25% waste), one
 `cudaHostAlloc(cudaHostAllocPortable)` per buffer, allocated only when no free buffer of the class
-(or of a class at most twice as large) is there, and reused across steps; `close()` frees them all
-with `cudaFreeHost`. Reusing a buffer needs no host-side wait: every reader and writer of a pinned
-buffer is a copy on the one copy stream, whose FIFO order puts a later D2H into the buffer after an
-earlier H2D out of it.
+(or of a class at most twice as large) is there, and reused across steps; `reserve(sizes)` makes
+the buffers for a set of sizes up front (the executor reserves its plan's swap set after its
+learning step, so steady steps allocate no pinned memory); `close()` frees them all with
+`cudaFreeHost`. A buffer is written only by D2H copies (one stream, FIFO) and read only by H2D
+copies of its own handle; a buffer given back after an H2D copy read it keeps that copy's ready
+event as a **fence**, and the next D2H copy into it waits for the fence on the D2H stream (no host
+wait), so it never overwrites bytes an H2D copy on the other stream is still reading.
 
 Tensor layouts
 --------------
@@ -71,6 +93,9 @@ without a usable GPU raises `CudaUnavailableError` with the reason from `gpu.cud
 Handles must be released (`release`) when the activation is no longer needed; a handle dropped
 without release returns its buffer to the pool at the next call into the backend. `close()` (or the
 context manager) must be called to free the pinned memory; it is not done in `__del__`.
+
+Without a GPU, `cuda_exec.sim_device` runs this backend on a simulated device (host memory, a
+clock, streams, events and copy engines): tests/test_cuda_backend.py and tests/test_sim_device.py.
 """
 
 from __future__ import annotations
@@ -148,12 +173,14 @@ class _Cuda:
 
 class PinnedPool:
     """Pinned host buffers in size classes, allocated with cudaHostAlloc only when no free buffer
-    fits, reused until `free_all()`."""
+    fits, reused until `free_all()`. A free buffer may carry a fence: the ready event of the last
+    H2D copy that read it (module docstring)."""
 
     def __init__(self, cuda: _Cuda):
         self._cuda = cuda
         self._free: Dict[int, List[int]] = collections.defaultdict(list)  # class -> pointers
         self._owned: Dict[int, int] = {}  # pointer -> class size, every live allocation
+        self._fences: Dict[int, Any] = {}  # pointer -> event the next writer must wait for
         self.allocations = 0  # cudaHostAlloc calls ever made
         self.frees = 0  # cudaFreeHost calls ever made
         self.bytes_in_use = 0
@@ -171,8 +198,15 @@ class PinnedPool:
             "bytes_in_use": self.bytes_in_use,
         }
 
+    def _allocate(self, cls: int) -> int:
+        rt = self._cuda.rt
+        ptr = int(self._cuda("cudaHostAlloc", cls, rt.cudaHostAllocPortable))
+        self._owned[ptr] = cls
+        self.allocations += 1
+        return ptr
+
     def acquire(self, nbytes: int) -> Tuple[int, int]:
-        """A (pointer, capacity) buffer of at least `nbytes`."""
+        """A (pointer, capacity) buffer of at least `nbytes` (take its fence with `take_fence`)."""
         cls = size_class(nbytes)
         ptr = None
         if self._free.get(cls):
@@ -184,23 +218,40 @@ class PinnedPool:
                 break
         if ptr is None:
             cls = size_class(nbytes)
-            rt = self._cuda.rt
-            ptr = int(self._cuda("cudaHostAlloc", cls, rt.cudaHostAllocPortable))
-            self._owned[ptr] = cls
-            self.allocations += 1
+            ptr = self._allocate(cls)
         self.bytes_in_use += cls
         return ptr, cls
 
-    def give_back(self, ptr: int) -> None:
+    def take_fence(self, ptr: int) -> Any:
+        """The event the next copy into `ptr` must wait for (None: nothing), handed to the caller."""
+        return self._fences.pop(ptr, None)
+
+    def give_back(self, ptr: int, fence: Any = None) -> None:
+        """Return a buffer; `fence`: the ready event of an H2D copy that may still read it (the
+        pool keeps it for the next writer)."""
         cls = self._owned[ptr]
+        if fence is not None:
+            assert ptr not in self._fences, "a buffer has one reader at most"
+            self._fences[ptr] = fence
         self._free[cls].append(ptr)
         self.bytes_in_use -= cls
 
-    def reserve(self, sizes: List[int]) -> None:
-        """Grow the pool so that buffers for all of `sizes` at once exist (e.g. from a plan)."""
-        taken = [self.acquire(n)[0] for n in sizes]
-        for ptr in taken:
-            self.give_back(ptr)
+    def reserve(self, sizes: List[int]) -> int:
+        """Grow the pool so that buffers for all of `sizes` at once exist (e.g. a plan's swap set):
+        a class gets as many buffers as `sizes` needs of it, counting those it has (free or in
+        use). Returns the number of buffers allocated."""
+        need: Dict[int, int] = collections.Counter(size_class(n) for n in sizes if n > 0)
+        have: Dict[int, int] = collections.Counter(self._owned.values())
+        made = 0
+        for cls, count in sorted(need.items()):
+            for _ in range(count - have.get(cls, 0)):
+                self._free[cls].append(self._allocate(cls))
+                made += 1
+        return made
+
+    def fences(self) -> List[Any]:
+        """The fence events held (for close)."""
+        return list(self._fences.values())
 
     def free_all(self) -> None:
         first_error: Optional[BaseException] = None
@@ -212,6 +263,7 @@ class PinnedPool:
                 first_error = first_error or exc
             del self._owned[ptr]
         self._free.clear()
+        self._fences.clear()
         self.bytes_in_use = 0
         if first_error is not None:
             raise first_error
@@ -279,16 +331,32 @@ class _Slot:
     """What a handle owns; kept apart from the handle so that a finalizer can reclaim it."""
 
     __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "fetched", "offload_event",
-                 "__weakref__")
+                 "queued", "fence", "error", "__weakref__")
 
     def __init__(self, ptr: Optional[int], capacity: int):
         self.ptr = ptr
         self.capacity = capacity
         self.device: Optional[torch.Tensor] = None  # prefetched, not yet fetched
         self.alloc_stream: Optional[int] = None  # compute stream the prefetch allocated on
-        self.ready_event: Any = None  # recorded on the copy stream after the last H2D
+        self.ready_event: Any = None  # recorded on the H2D stream after the last H2D
         self.fetched: Optional[weakref.ref] = None  # the tensor fetch returned
         self.offload_event: Any = None  # the offload's completion event, until seen complete
+        self.queued: Optional["_Queued"] = None  # its offload, while it waits in the host queue
+        self.fence: Any = None  # the buffer's fence, until a D2H copy into it waited for it
+        self.error: Optional[BaseException] = None  # why its offload could not be issued
+
+
+class _Queued:
+    """An offload waiting in the host queue: its source (kept alive), the compute-stream event
+    the copy must wait for, and its slot."""
+
+    __slots__ = ("slot", "src", "nbytes", "ready")
+
+    def __init__(self, slot: _Slot, src: torch.Tensor, nbytes: int, ready: Any):
+        self.slot = slot
+        self.src: Optional[torch.Tensor] = src
+        self.nbytes = nbytes
+        self.ready = ready
 
 
 class CudaHostHandle:
@@ -331,18 +399,27 @@ def _is_dense(t: torch.Tensor) -> bool:
 class CudaBackend(Backend):
     """Swaps activations between CUDA device memory and pooled pinned host buffers.
 
-    `device`: a CUDA device (default: torch's current one). The private `_runtime` / `_torch`
-    arguments replace cuda-python's runtime module and the torch adapter (tests drive the
-    backend's logic without a GPU with them)."""
+    `device`: a CUDA device (default: torch's current one). `d2h_window`, `d2h_window_bytes`: how
+    many device-to-host copies, and how many bytes of them, may be queued on the D2H stream behind
+    the one running (one may always be; the rest wait in the host queue, where a fetch can still
+    cancel them). The private `_runtime` / `_torch` arguments replace cuda-python's runtime module
+    and the torch adapter (`cuda_exec.sim_device` runs the backend on a simulated device with
+    them)."""
 
     name = "cuda"
 
-    #: copies that run at once: one copy stream today, so one queue in the cost model (the
-    #: device's two copy engines would need a stream per direction)
-    copy_engines = 1
+    #: copies that run at once: one device-to-host and one host-to-device copy, each direction on
+    #: its own stream (the cost model's two copy queues)
+    copy_engines = 2
+    #: default window of the host-side D2H queue (copies, bytes queued behind the running one)
+    D2H_WINDOW = 2
+    D2H_WINDOW_BYTES = 16 << 20
 
-    def __init__(self, device: Any = None, *, _runtime: Any = None, _torch: Any = None):
+    def __init__(self, device: Any = None, *, d2h_window: int = D2H_WINDOW, d2h_window_bytes: int = D2H_WINDOW_BYTES,
+                 _runtime: Any = None, _torch: Any = None):
         self._closed = True  # until fully constructed
+        if d2h_window < 0 or d2h_window_bytes < 0:
+            raise ValueError(f"d2h_window ({d2h_window}) and d2h_window_bytes ({d2h_window_bytes}) must be >= 0")
         if _torch is None:
             if not cuda_available():
                 raise CudaUnavailableError(
@@ -357,35 +434,63 @@ class CudaBackend(Backend):
             _torch = _TorchCuda(dev)
         self._torch = _torch
         self.device: torch.device = _torch.device
+        self.d2h_window = int(d2h_window)
+        self.d2h_window_bytes = int(d2h_window_bytes)
         self._cuda = _Cuda(runtime_module() if _runtime is None else _runtime)
         self._legacy_stream = int(getattr(self._cuda.rt, "cudaStreamLegacy", 1))
         self._lock = threading.RLock()
         self._dead: Deque[_Slot] = collections.deque()  # slots of handles dropped unreleased
         self._slots: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
-        # FIFO of (completion event, tensor kept alive) in copy-stream order
-        self._pending: Deque[Tuple[Any, torch.Tensor]] = collections.deque()
-        #: id(slot) -> completion event of its offload, while that offload is pending
+        #: offloads not issued yet, in order (the host-side D2H queue)
+        self._queue: Deque[_Queued] = collections.deque()
+        #: issued offloads in D2H-stream order: (completion event, source kept alive or None once
+        #: a swap deadline let it go, bytes), until their completion is seen
+        self._pending: Deque[Tuple[Any, Optional[torch.Tensor], int]] = collections.deque()
+        self._pending_bytes = 0
         #: id(pending offload's completion event) -> its slot (events are pooled and reused)
         self._event_slot: Dict[int, "weakref.ref[_Slot]"] = {}
+        self._d2h: Any = None
+        self._h2d: Any = None
         with self._torch.device_guard():
-            self._stream = self._cuda("cudaStreamCreateWithFlags", self._cuda.rt.cudaStreamNonBlocking)
+            flags = self._cuda.rt.cudaStreamNonBlocking
+            self._d2h = self._cuda("cudaStreamCreateWithFlags", flags)
+            try:
+                self._h2d = self._cuda("cudaStreamCreateWithFlags", flags)
+            except BaseException:
+                self._cuda.rt.cudaStreamDestroy(self._d2h)
+                raise
         self.pool = PinnedPool(self._cuda)
         self._events = _EventPool(self._cuda, self._torch.device_guard)
         self.stats = {"offloads": 0, "prefetches": 0, "fetches": 0, "releases": 0, "d2h_bytes": 0, "h2d_bytes": 0,
-                      "deadline_releases": 0, "kept_sources": 0}
+                      "d2h_copies": 0, "h2d_copies": 0, "deadline_releases": 0, "kept_sources": 0,
+                      "cancelled_offloads": 0, "cancelled_bytes": 0, "reserved_buffers": 0}
         self._closed = False
 
     # ------------------------------------------------------------------ public API
 
     @property
     def copy_stream(self) -> int:
-        """The copy stream's handle (a cudaStream_t as an int)."""
-        return int(self._stream)
+        """The D2H copy stream's handle (a cudaStream_t as an int); see `h2d_stream`."""
+        return int(self._d2h)
+
+    @property
+    def d2h_stream(self) -> int:
+        return int(self._d2h)
+
+    @property
+    def h2d_stream(self) -> int:
+        return int(self._h2d)
 
     @property
     def pending_offloads(self) -> int:
-        """Offloads whose completion has not been observed yet (their sources are still held)."""
-        return len(self._pending)
+        """Offloads whose completion has not been seen yet (queued on the host or issued): their
+        sources are still held, unless a swap deadline let them go."""
+        return len(self._pending) + len(self._queue)
+
+    @property
+    def queued_offloads(self) -> int:
+        """Offloads waiting in the host queue (not issued to the D2H stream yet)."""
+        return len(self._queue)
 
     def offload(self, tensor: torch.Tensor) -> CudaHostHandle:
         with self._lock:
@@ -407,24 +512,21 @@ class CudaBackend(Backend):
                 return self._new_handle(0, src, slot)
             ptr, capacity = self.pool.acquire(nbytes)
             slot = _Slot(ptr, capacity)
+            slot.fence = self.pool.take_fence(ptr)
             try:
-                compute = self._compute_stream()[1]
-                self._copy_waits_for(compute)
-                rt = self._cuda.rt
-                self._cuda("cudaMemcpyAsync", ptr, src.data_ptr(), nbytes,
-                           rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream)
-                done = self._events.acquire()
-                self._cuda("cudaEventRecord", done, self._stream)
+                ready = self._events.acquire()
+                # the activation is finished when the work queued so far on the compute stream is
+                self._cuda("cudaEventRecord", ready, self._compute_stream()[1])
             except BaseException:
-                # the buffer may be the target of a queued copy: FIFO reuse keeps that safe
-                self.pool.give_back(ptr)
+                self.pool.give_back(ptr, slot.fence)
                 raise
-            self._pending.append((done, src))  # src (a view of the caller's storage) stays alive
-            slot.offload_event = done
-            self._event_slot[id(done)] = weakref.ref(slot)
+            handle = self._new_handle(nbytes, src, slot)
+            slot.queued = _Queued(slot, src, nbytes, ready)
+            del src
+            self._queue.append(slot.queued)
             self.stats["offloads"] += 1
-            self.stats["d2h_bytes"] += nbytes
-            return self._new_handle(nbytes, src, slot)
+            self._pump()
+            return handle
 
     def prefetch(self, handle: CudaHostHandle) -> None:
         with self._lock:
@@ -470,87 +572,107 @@ class CudaBackend(Backend):
         """Whether ``handle``'s offload has not been seen complete (its source is still held,
         unless a swap deadline let it go)."""
         slot = handle._slot
-        return slot is not None and slot.offload_event is not None
+        return slot is not None and (slot.queued is not None or slot.offload_event is not None)
 
     def poll(self) -> int:
-        """Drop the sources of completed offloads and reclaim dropped handles, without blocking.
-        Returns the number of offloads still in flight."""
+        """Drop the sources of completed offloads, reclaim dropped handles and issue what the D2H
+        window allows, without blocking. Returns the number of offloads still in flight (queued on
+        the host or issued)."""
         with self._lock:
             self._service()
-            return len(self._pending)
+            return len(self._pending) + len(self._queue)
 
     def wait_offload(self, handle: CudaHostHandle) -> None:
         """Block the host until `handle`'s offload (and every copy queued before it) has completed,
         then drop the sources: the cost model's wait for a swap-out before a stage."""
         with self._lock:
-            self._check_open()
-            ev = handle._slot.offload_event if handle._slot is not None else None
+            self._service()
+            slot = handle._slot
+            if slot is not None and slot.queued is not None:
+                self._flush(slot.queued)
+            ev = slot.offload_event if slot is not None else None
             if ev is not None:
                 self._cuda("cudaEventSynchronize", ev)
             self._service()
 
     def release_offload(self, handle: CudaHostHandle) -> None:
         """The cost model's wait for a swap-out before a stage, without blocking the host: the
-        current compute stream waits (``cudaStreamWaitEvent``) for `handle`'s offload, and so, the
-        copy stream being FIFO, for every copy queued before it; then the sources of those copies
+        offload is issued if it still waits in the host queue (with every offload queued before
+        it), the current compute stream waits (``cudaStreamWaitEvent``) for it, and so, the D2H
+        stream being FIFO, for every D2H copy issued before it; then the sources of those copies
         are dropped. The caching allocator may hand their blocks to later work on the compute
         stream at once: that work runs after the copies have read them (TransformerEngine's
         ``release_activation_forward_gpu_memory`` does the same). Their events stay pending until
         they fire (``poll``)."""
         with self._lock:
             self._service()
-            ev = handle._slot.offload_event if handle._slot is not None else None
+            slot = handle._slot
+            if slot is None:
+                return
+            if slot.queued is not None:
+                self._flush(slot.queued)
+            ev = slot.offload_event
             if ev is None:
                 return  # completed already (its source is gone), released, or never copied
             self._cuda("cudaStreamWaitEvent", self._compute_stream()[1], ev, 0)
-            for i, (e, _src) in enumerate(self._pending):
-                self._pending[i] = (e, None)
+            for i, (e, _src, n) in enumerate(self._pending):
+                self._pending[i] = (e, None, n)
                 if e is ev:
                     break
             self.stats["deadline_releases"] += 1
 
     def synchronize(self) -> None:
-        """Wait (on the host) for every copy queued on the copy stream; the compute stream and
-        the rest of the device are not waited for."""
+        """Issue every queued offload and wait (on the host) for every copy on the copy streams;
+        the compute stream and the rest of the device are not waited for."""
         with self._lock:
             self._check_open()
-            self._cuda("cudaStreamSynchronize", self._stream)
+            self._flush(None)
+            self._cuda("cudaStreamSynchronize", self._d2h)
+            self._cuda("cudaStreamSynchronize", self._h2d)
             self._service()
 
-    def reserve(self, sizes: List[int]) -> None:
-        """Pre-allocate pinned buffers for activations of these byte sizes (all live at once)."""
+    def reserve(self, sizes: List[int]) -> int:
+        """Pre-allocate pinned buffers for activations of these byte sizes (all live at once),
+        counting the buffers the pool has. Returns how many were allocated."""
         with self._lock:
             self._check_open()
-            self.pool.reserve([n for n in sizes if n > 0])
+            made = self.pool.reserve([n for n in sizes if n > 0])
+            self.stats["reserved_buffers"] += made
+            return made
 
     def bandwidth(self, nbytes: int = 64 << 20, repeats: int = 3) -> Tuple[float, float]:
         """(device_to_host, host_to_device) bytes per second: the best of `repeats` timed
-        `nbytes` copies between a device tensor and a pooled pinned buffer, on the copy stream,
-        timed with CUDA events. Blocks the host until the copies are done."""
+        `nbytes` copies between a device tensor and a pooled pinned buffer, each on its copy
+        stream, timed with CUDA events. Blocks the host until the copies are done."""
         with self._lock:
             self._service()
             rt = self._cuda.rt
             nbytes = max(int(nbytes), 1)
             dev = self._torch.empty_strided((nbytes,), (1,), torch.uint8)
             ptr, _ = self.pool.acquire(nbytes)
+            fence = self.pool.take_fence(ptr)
             timing: List[Any] = []
             try:
                 with self._torch.device_guard():
                     for _ in range(2):  # timing events (the pooled ones disable timing)
                         timing.append(self._cuda("cudaEventCreateWithFlags", rt.cudaEventDefault))
                 start, end = timing
-                self._copy_waits_for(self._compute_stream()[1])
+                compute = self._compute_stream()[1]
+                self._copy_waits_for(self._d2h, compute)
+                self._copy_waits_for(self._h2d, compute)
+                if fence is not None:
+                    self._cuda("cudaStreamWaitEvent", self._d2h, fence, 0)
                 result = []
-                for kind, dst, src in (
-                    (rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, ptr, dev.data_ptr()),
-                    (rt.cudaMemcpyKind.cudaMemcpyHostToDevice, dev.data_ptr(), ptr),
+                for kind, dst, src, stream in (
+                    (rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, ptr, dev.data_ptr(), self._d2h),
+                    (rt.cudaMemcpyKind.cudaMemcpyHostToDevice, dev.data_ptr(), ptr, self._h2d),
                 ):
-                    self._cuda("cudaMemcpyAsync", dst, src, nbytes, kind, self._stream)  # warm-up
+                    self._cuda("cudaMemcpyAsync", dst, src, nbytes, kind, stream)  # warm-up
                     best = float("inf")
                     for _ in range(max(1, repeats)):
-                        self._cuda("cudaEventRecord", start, self._stream)
-                        self._cuda("cudaMemcpyAsync", dst, src, nbytes, kind, self._stream)
-                        self._cuda("cudaEventRecord", end, self._stream)
+                        self._cuda("cudaEventRecord", start, stream)
+                        self._cuda("cudaMemcpyAsync", dst, src, nbytes, kind, stream)
+                        self._cuda("cudaEventRecord", end, stream)
                         self._cuda("cudaEventSynchronize", end)
                         ms = self._cuda("cudaEventElapsedTime", start, end)
                         best = min(best, max(float(ms), 1e-6) / 1e3)
@@ -559,41 +681,53 @@ class CudaBackend(Backend):
             finally:
                 # normally a no-op (end was synchronised); after an error it keeps `dev` and the
                 # buffer alive until no copy can touch them any more
-                self._cuda.rt.cudaStreamSynchronize(self._stream)
+                self._cuda.rt.cudaStreamSynchronize(self._d2h)
+                self._cuda.rt.cudaStreamSynchronize(self._h2d)
                 self.pool.give_back(ptr)
+                if fence is not None:
+                    self._events.give_back(fence)
                 for ev in timing:
                     self._cuda.rt.cudaEventDestroy(ev)
                 del dev
 
     def close(self) -> None:
-        """Wait for the copy stream, drop every held tensor, destroy events and the stream, and
-        free every pinned buffer. Idempotent; handles are dead afterwards."""
+        """Wait for the copy streams, drop every held tensor (offloads still queued on the host
+        are dropped, not copied), destroy events and streams, and free every pinned buffer.
+        Idempotent; handles are dead afterwards."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             errors: List[BaseException] = []
-            try:
-                self._cuda("cudaStreamSynchronize", self._stream)
-            except CudaError as exc:
-                errors.append(exc)
+            for stream in (self._d2h, self._h2d):
+                try:
+                    self._cuda("cudaStreamSynchronize", stream)
+                except CudaError as exc:
+                    errors.append(exc)
+            for item in self._queue:
+                item.src = None
+                item.slot.queued = None
+            self._queue.clear()
             self._pending.clear()
+            self._pending_bytes = 0
             self._event_slot.clear()
             self._dead.clear()
             for slot in list(self._slots):
                 slot.ptr = None
                 slot.device = None
                 slot.ready_event = None
+                slot.fence = None
             for step in (self._events.destroy_all, self.pool.free_all):
                 try:
                     step()
                 except CudaError as exc:
                     errors.append(exc)
-            try:
-                self._cuda("cudaStreamDestroy", self._stream)
-            except CudaError as exc:
-                errors.append(exc)
-            self._stream = None
+            for stream in (self._d2h, self._h2d):
+                try:
+                    self._cuda("cudaStreamDestroy", stream)
+                except CudaError as exc:
+                    errors.append(exc)
+            self._d2h = self._h2d = None
             if errors:
                 raise errors[0]
 
@@ -623,6 +757,9 @@ class CudaBackend(Backend):
         slot = handle._slot
         if slot is None:
             raise RuntimeError(f"{handle!r} was released")
+        if slot.error is not None:
+            raise RuntimeError(f"the offload of {handle!r} failed ({type(slot.error).__name__}: {slot.error})") \
+                from slot.error
         return slot
 
     def _compute_stream(self) -> Tuple[Any, int]:
@@ -634,12 +771,82 @@ class CudaBackend(Backend):
         handle = int(stream.cuda_stream)
         return stream, (handle if handle else self._legacy_stream)
 
-    def _copy_waits_for(self, compute_stream: int) -> None:
-        """Order the copy stream after everything queued so far on `compute_stream`."""
+    def _copy_waits_for(self, copy_stream: Any, compute_stream: int) -> None:
+        """Order `copy_stream` after everything queued so far on `compute_stream`."""
         ev = self._events.acquire()
         self._cuda("cudaEventRecord", ev, compute_stream)
-        self._cuda("cudaStreamWaitEvent", self._stream, ev, 0)
+        self._cuda("cudaStreamWaitEvent", copy_stream, ev, 0)
         self._events.give_back(ev)  # the wait captured the event; it may be re-recorded
+
+    # the host-side D2H queue ---------------------------------------------------------------
+
+    def _window_open(self) -> bool:
+        """Whether the next queued offload may be issued now: nothing in flight, or few enough
+        copies (and bytes, beyond one copy) waiting behind the one running."""
+        n = len(self._pending)
+        if n == 0:
+            return True
+        behind = n - 1
+        if behind >= self.d2h_window:
+            return False
+        return behind == 0 or self._pending_bytes - self._pending[0][2] + self._queue[0].nbytes <= self.d2h_window_bytes
+
+    def _pump(self) -> None:
+        while self._queue and self._window_open():
+            self._issue(self._queue.popleft())
+
+    def _flush(self, item: Optional[_Queued]) -> None:
+        """Issue the queued offloads up to `item` (all of them for None), whatever the window."""
+        while self._queue:
+            it = self._queue.popleft()
+            self._issue(it)
+            if it is item:
+                return
+
+    def _issue(self, item: _Queued) -> None:
+        """Queue `item`'s copy on the D2H stream (it has left the host queue)."""
+        slot = item.slot
+        slot.queued = None
+        src, item.src = item.src, None
+        rt = self._cuda.rt
+        try:
+            if slot.fence is not None:  # an H2D copy may still read the buffer
+                self._cuda("cudaStreamWaitEvent", self._d2h, slot.fence, 0)
+            self._cuda("cudaStreamWaitEvent", self._d2h, item.ready, 0)
+            self._cuda("cudaMemcpyAsync", slot.ptr, src.data_ptr(), item.nbytes,
+                       rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._d2h)
+            done = self._events.acquire()
+            self._cuda("cudaEventRecord", done, self._d2h)
+        except BaseException as exc:
+            # the handle is dead for fetches; the buffer may be the target of a queued copy,
+            # which FIFO reuse on the D2H stream keeps safe
+            slot.error = exc
+            self._events.give_back(item.ready)
+            if slot.ptr is not None:
+                self.pool.give_back(slot.ptr, slot.fence)
+                slot.ptr = None
+                slot.fence = None
+            raise
+        if slot.fence is not None:
+            self._events.give_back(slot.fence)  # the wait captured it
+            slot.fence = None
+        self._events.give_back(item.ready)
+        self._pending.append((done, src, item.nbytes))  # src (a view of the caller's storage) stays alive
+        self._pending_bytes += item.nbytes
+        slot.offload_event = done
+        self._event_slot[id(done)] = weakref.ref(slot)
+        self.stats["d2h_copies"] += 1
+        self.stats["d2h_bytes"] += item.nbytes
+
+    def _cancel(self, slot: _Slot) -> Optional[torch.Tensor]:
+        """Take `slot`'s offload out of the host queue (never copied); returns its source."""
+        item = slot.queued
+        assert item is not None
+        self._queue.remove(item)
+        slot.queued = None
+        self._events.give_back(item.ready)  # recorded on the compute stream, nobody waits for it
+        src, item.src = item.src, None
+        return src
 
     def _pending_source(self, slot: _Slot) -> Optional[torch.Tensor]:
         """The device bytes of `slot`'s offload while its copy has not completed and no swap
@@ -647,18 +854,27 @@ class CudaBackend(Backend):
         ev = slot.offload_event
         if ev is None:
             return None
-        for e, src in self._pending:
+        for e, src, _n in self._pending:
             if e is ev:
                 return src
         return None
 
     def _prefetch(self, handle: CudaHostHandle, slot: _Slot) -> None:
+        if slot.queued is not None:
+            # never issued: the copy is cancelled and the device bytes used as they are (the
+            # cost model cancels a swap-out that is still queued when its tensor is needed)
+            slot.device = self._cancel(slot)
+            self.stats["cancelled_offloads"] += 1
+            self.stats["cancelled_bytes"] += handle.nbytes
+            self.stats["prefetches"] += 1
+            return
         src = self._pending_source(slot)
         if src is not None:
-            # the offload has not completed, so its source is still on the device: hand those
+            # the offload is being copied, so its source is still on the device: hand those
             # bytes back rather than allocate a second copy next to them (the CPU backend does too)
             slot.device = src
             self.stats["kept_sources"] += 1
+            self.stats["prefetches"] += 1
             return
         stream = self._compute_stream()[1]
         tensor = self._torch.empty_strided(handle.shape, handle.stride, handle.dtype)
@@ -666,13 +882,18 @@ class CudaBackend(Backend):
         if handle.nbytes:
             # The caching allocator may hand back a block freed by compute work still queued on
             # this stream: the copy must not overwrite it before that work has run.
-            self._copy_waits_for(stream)
+            self._copy_waits_for(self._h2d, stream)
+            if slot.offload_event is not None:
+                # a swap deadline dropped the source before the D2H copy was seen complete: the
+                # H2D copy (another stream) must not read the buffer before that copy wrote it
+                self._cuda("cudaStreamWaitEvent", self._h2d, slot.offload_event, 0)
             rt = self._cuda.rt
             self._cuda("cudaMemcpyAsync", tensor.data_ptr(), slot.ptr, handle.nbytes,
-                       rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self._stream)
+                       rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self._h2d)
             if slot.ready_event is None:
                 slot.ready_event = self._events.acquire()
-            self._cuda("cudaEventRecord", slot.ready_event, self._stream)
+            self._cuda("cudaEventRecord", slot.ready_event, self._h2d)
+            self.stats["h2d_copies"] += 1
             self.stats["h2d_bytes"] += handle.nbytes
         slot.device = tensor
         self.stats["prefetches"] += 1
@@ -681,37 +902,48 @@ class CudaBackend(Backend):
         """Give back what a released (or dropped) handle owned."""
         if self._closed:
             return
+        if slot.queued is not None:
+            self._cancel(slot)  # never issued: nothing to copy any more
         if slot.device is not None and slot.ready_event is not None:
             # prefetched, never fetched: the H2D may still be writing into the tensor's block.
             # The block's stream waits for it, so the allocator cannot reuse the block too early.
             self._cuda("cudaStreamWaitEvent", slot.alloc_stream, slot.ready_event, 0)
         slot.device = None
         slot.fetched = None
-        if slot.ready_event is not None:
-            self._events.give_back(slot.ready_event)
-            slot.ready_event = None
+        # the buffer's fence: the last H2D copy that read it, else one it carried unused
+        fence, slot.ready_event = slot.ready_event, None
+        if slot.fence is not None:
+            if fence is None:
+                fence = slot.fence
+            else:
+                self._events.give_back(slot.fence)
+            slot.fence = None
         if slot.ptr is not None:
-            # FIFO on the copy stream: a later D2H into this buffer runs after our H2D out of it
-            self.pool.give_back(slot.ptr)
+            self.pool.give_back(slot.ptr, fence)
             slot.ptr = None
+        elif fence is not None:
+            self._events.give_back(fence)
         self._slots.discard(slot)
 
     def _service(self) -> None:
-        """Non-blocking housekeeping at every call: reclaim dropped handles, and drop the sources
-        of offloads whose completion event has fired (cudaEventQuery)."""
+        """Non-blocking housekeeping at every call: reclaim dropped handles, drop the sources of
+        offloads whose completion event has fired (cudaEventQuery), issue what the D2H window
+        allows."""
         self._check_open()
         while self._dead:
             self._reclaim(self._dead.popleft())
         while self._pending:
-            ev, _src = self._pending[0]
+            ev, _src, n = self._pending[0]
             err = self._cuda.rt.cudaEventQuery(ev)
             err = err[0] if isinstance(err, tuple) else err
             if err == self._cuda.not_ready:
                 break  # FIFO: later copies are not done either
             self._cuda.check("cudaEventQuery", (err,))
             self._pending.popleft()
+            self._pending_bytes -= n
             ref = self._event_slot.pop(id(ev), None)
             owner = ref() if ref is not None else None
             if owner is not None and owner.offload_event is ev:
                 owner.offload_event = None
             self._events.give_back(ev)
+        self._pump()

@@ -256,6 +256,7 @@ class Executor:
                     learn.protect[rt.unit] = {i for i, ref in enumerate(rt.seg.inputs)
                                               if isinstance(ref.slot, _InputSlot) and ref.slot.protected}
                 program = self._build_program(learn, tracker)
+                self._reserve_host_buffers(state)
             state.release_unneeded()
         except BaseException:
             state.abort()
@@ -301,6 +302,15 @@ class Executor:
                         if t.layout == torch.strided and t.device.type != "meta"]
         return build_program(learn, tracker, self.actions, self.run_start, slots, work, post_units,
                              aligned=self.aligned)
+
+    def _reserve_host_buffers(self, state: _StepState) -> None:
+        """After the learning step: the backend makes the host buffers of the plan's swap set (its
+        swapped storages' sizes, all live at once) now, so that steady steps allocate none (pinned
+        memory on CUDA: cudaHostAlloc blocks the host for milliseconds)."""
+        reserve = getattr(self._backend, "reserve", None)
+        sizes = [e.nbytes for entries in state.by_unit.values() for e in entries]
+        if reserve is not None and sizes:
+            reserve(sizes)
 
     def _note_relearn(self, signature: Any) -> None:
         """The inputs' shapes changed to ones not learned yet: this step learns them (a full step,
