@@ -84,11 +84,15 @@ def test_planned_steps_on_the_simulated_gpu_train_bitwise_without_host_blocking_
         backend.close()
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v2", "transformer_encoder"])
+FAST = ["mobilenet_v2", "transformer_encoder"]
+
+
+@pytest.mark.parametrize("name", FAST + [pytest.param(n, marks=pytest.mark.slow) for n in zoo.names() if n not in FAST])
 def test_budgets_hold_through_the_cuda_backend_on_the_simulated_gpu(name: str) -> None:
-    """As tests/test_zoo.py on the CPU backend: at three budgets, the measured peak of a planned
-    step is within the plan's budget and it trains bitwise; here the swaps go through the CUDA
-    backend's host-side queue, two copy streams and stream-ordered frees."""
+    """As tests/test_zoo.py on the CPU backend, for every zoo model (two in the fast tests): at
+    three budgets, the measured peak of a planned step is within the plan's budget and its
+    predicted peak, and it trains bitwise; here the swaps go through the CUDA backend's host-side
+    queue, two copy streams and stream-ordered frees."""
     model, inputs, loss_fn = zoo.build(name, batch=4)
     dev = SimDevice(d2h_bandwidth=1e9, h2d_bandwidth=1e9)
     backend = sim_backend(dev)
@@ -100,5 +104,6 @@ def test_budgets_hold_through_the_cuda_backend_on_the_simulated_gpu(name: str) -
     assert len(rows) == 3
     assert all(row_ok(r) for r in rows), rows
     measured = [r for r in rows if "refused" not in r]
-    assert any(r["counts"]["swap"] > 0 for r in measured)  # the CUDA backend's swaps are exercised
+    if name in FAST:
+        assert any(r["counts"]["swap"] > 0 for r in measured)  # the CUDA backend's swaps are exercised
     assert all(r["measured_peak_bytes"] <= r["predicted_peak_bytes"] for r in measured), rows
