@@ -197,8 +197,9 @@ class _SteadyStep:
         self.armed = False  #: the saved-tensor hooks are on
         self.hooks: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
         self.post: Optional[Tuple[int, nn.Module]] = None  #: a prefetch stage's unit, running
-        #: the prefetch stage whose unit's outputs were hooked last, and those outputs
-        self.hooked: Tuple[int, List[torch.Tensor]] = (-1, [])
+        #: the prefetch stage whose unit's outputs were hooked last, and those outputs (weakly:
+        #: the step must not keep a tensor alive longer than the model does)
+        self.hooked: Tuple[int, List["weakref.ReferenceType[torch.Tensor]"]] = (-1, [])
         self.tracker = _ScopedTracker(ex, state, program.table) if program.any_tracked else None
         self.scoped = False  #: a tracked segment runs (the tracker is on)
         self.frames: List[Optional[SegmentFrame]] = [None] * len(program.segments)
@@ -293,19 +294,20 @@ class _SteadyStep:
             self._prefetch_hooks(s, args, outs if hs == s else ())
         self.hooked = (-1, [])
 
-    def _prefetch_hooks(self, s: int, values: Any, hooked: Any = ()) -> List[torch.Tensor]:
+    def _prefetch_hooks(self, s: int, values: Any, hooked: Any = ()) -> List["weakref.ReferenceType[torch.Tensor]"]:
         """Issue stage ``s``'s prefetches when the gradient of any tensor of ``values`` arrives
-        (except those in ``hooked``, whose hooks do that already); returns the tensors hooked."""
+        (except those in ``hooked``, weak references to tensors whose hooks do that already);
+        returns weak references to the tensors hooked."""
         st = self.state
         out = []
         fire = None
         for a in pytree.tree_leaves(values):
             if (isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None
-                    and not (hooked and any(a is h for h in hooked))):
+                    and not (hooked and any(a is h() for h in hooked))):
                 if fire is None:
                     fire = st.guarded(lambda grad, s=s: st.issue_prefetches(s))
                 a.register_hook(fire)
-                out.append(a)
+                out.append(weakref.ref(a))
         return out
 
     # the forward hook of the unit modules of prefetch stages and tracked units
