@@ -972,11 +972,7 @@ fn simulate<E: MemoryEvents>(
         for u in 0..n {
             sim.s.fwd_over[u] = match actions[u] {
                 Action::Retain => 0.0,
-                Action::Swap => {
-                    let per = g.act[u] as f64 / g.act_storages[u].max(1.0);
-                    let cost = if per > c.inline_bytes { c.swap_async.unwrap_or(c.swap) } else { c.swap };
-                    cost * g.act_storages[u]
-                }
+                Action::Swap => c.swap_host(g.act[u] as f64, g.act_storages[u]),
                 Action::Recompute => c.drop * g.packs[u],
             };
         }

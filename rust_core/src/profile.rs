@@ -158,6 +158,16 @@ pub struct ExecutorCosts {
     pub tracked_op: f64,
 }
 
+impl ExecutorCosts {
+    /// Host seconds to swap `bytes` of activations held in `storages` storages: `swap` per storage,
+    /// `swap_async` where their mean size is above `inline_bytes`.
+    pub fn swap_host(&self, bytes: f64, storages: f64) -> f64 {
+        let per = bytes / storages.max(1.0);
+        let cost = if per > self.inline_bytes { self.swap_async.unwrap_or(self.swap) } else { self.swap };
+        cost * storages
+    }
+}
+
 /// The optimizer step after the backward (docs/cost-model.md, "Optimizer step"): present when
 /// the profile was measured with an optimizer. The per-unit parts are on the units; this holds
 /// the part over parameters of no unit (used in glue code).

@@ -147,15 +147,9 @@ def _host_costs(d: Dict[str, Any], n: int) -> Dict[str, Any]:
     """The executor's host seconds per unit and action (the evaluator's additive rule: a profile
     with host times per stage, a GPU's, is scored by the evaluator, which knows its clock)."""
     c = d.get("costs") or {}
-    act = [int(b) for b in d["act"]]
-    storages = [float(v) for v in d.get("act_storages", [1.0] * n)]
     packs = [float(v) for v in d.get("packs", [0.0] * n)]
     glue = [float(v) for v in d.get("glue_ops", [0.0] * n)]
-    swap = []
-    for u in range(n):
-        per = act[u] / max(storages[u], 1.0)
-        cost = c.get("swap_async", 0.0) if per > c.get("inline_bytes", 0.0) else c.get("swap", 0.0)
-        swap.append(cost * storages[u])
+    swap = [float(v) for v in d["swap_host"]]  # the evaluator's rule (ExecutorCosts::swap_host)
     scope = [None if s is None else (int(s[0]), int(s[1])) for s in d.get("glue_scope", [None] * n)]
     return {"swap_host": swap, "drop_host": [c.get("drop", 0.0) * p for p in packs],
             "tracked_host": [c.get("tracked_op", 0.0) * k for k in glue], "glue_scope": scope,
