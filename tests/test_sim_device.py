@@ -91,19 +91,21 @@ FAST = ["mobilenet_v2", "transformer_encoder"]
 def test_budgets_hold_through_the_cuda_backend_on_the_simulated_gpu(name: str) -> None:
     """As tests/test_zoo.py on the CPU backend, for every zoo model (two in the fast tests): at
     three budgets, the measured peak of a planned step is within the plan's budget and its
-    predicted peak, and it trains bitwise; here the swaps go through the CUDA backend's host-side
-    queue, two copy streams and stream-ordered frees."""
+    predicted peak, and it trains bitwise; so do the all-swap and all-recompute plans. Here the
+    swaps go through the CUDA backend's host-side queue, two copy streams and stream-ordered
+    frees."""
     model, inputs, loss_fn = zoo.build(name, batch=4)
     dev = SimDevice(d2h_bandwidth=1e9, h2d_bandwidth=1e9)
     backend = sim_backend(dev)
     try:
         rows: List[Any] = check_model(model, inputs, loss_fn, backend=backend,
-                                      search={"particles": 20, "iterations": 10})
+                                      search={"particles": 20, "iterations": 10}, fixed=("swap-all", "recompute-all"))
     finally:
         backend.close()
-    assert len(rows) == 3
+    assert [r["fraction"] for r in rows[3:]] == [None, None]
     assert all(row_ok(r) for r in rows), rows
     measured = [r for r in rows if "refused" not in r]
+    assert rows[3]["counts"]["swap"] > 0 and rows[4]["counts"]["recompute"] > 0
     if name in FAST:
-        assert any(r["counts"]["swap"] > 0 for r in measured)  # the CUDA backend's swaps are exercised
+        assert any(r["counts"]["swap"] > 0 for r in measured[:3])  # the searched plans swap too
     assert all(r["measured_peak_bytes"] <= r["predicted_peak_bytes"] for r in measured), rows

@@ -45,10 +45,12 @@ def _same(a: List[Optional[torch.Tensor]], b: List[Optional[torch.Tensor]]) -> b
 
 def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor], *,
                 fractions: Sequence[float] = FRACTIONS, backend: Any = None, method: str = "pso",
-                search: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+                search: Optional[Dict[str, Any]] = None, fixed: Sequence[str] = ()) -> List[Dict[str, Any]]:
     """One row per budget: ``budget``, ``fraction``, and either ``predicted_peak_bytes``,
     ``measured_peak_bytes``, ``fits``, ``bitwise``, ``counts``, or ``refused`` (the planner's
-    message) with ``smallest`` and the measured row of a plan at that budget (``smallest_fits``)."""
+    message) with ``smallest`` and the measured row of a plan at that budget (``smallest_fits``).
+    Then one measured row per method in `fixed` (plans whatever the budget, such as "swap-all"),
+    with its ``method`` and ``fraction`` None, planned without a budget."""
     import tensorplace as tp
 
     search = dict(search or {})
@@ -87,6 +89,10 @@ def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable
         else:
             row.update(measure(plan))
         rows.append(row)
+    for m in fixed:
+        plan = probe.replan(2**62, method=m)
+        rows.append({"method": m, "fraction": None, "budget": plan.budget_bytes, "lower_bound": low, "unplanned": high,
+                     **measure(plan)})
     return rows
 
 
