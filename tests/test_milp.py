@@ -5,6 +5,8 @@ docs/methods.md states the approximation checked here."""
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
@@ -16,6 +18,8 @@ from tensorplace import _core
 from tensorplace.methods.milp import MilpError, milp_plan, model_of_plan
 
 from profiles import dag_profiles, multi_unit_segments
+
+DATA = Path(__file__).parent / "data"
 
 # docs/methods.md: the MILP plan's evaluator step time is at most this much above the optimum
 # (the MILP's copy stream is preemptive and unordered, the evaluator's is one FIFO queue).
@@ -261,6 +265,25 @@ def test_default_pso_is_within_one_percent_of_the_milp_where_its_polish_used_to_
     assert milp.settings["fallback"] is None, "the comparison is with the MILP's own plan"
     assert pso.predicted["feasible"]
     assert pso.predicted["step_time"] <= milp.predicted["step_time"] * 1.01
+
+
+@pytest.mark.slow
+def test_default_pso_is_within_one_percent_of_the_milp_plan_it_missed_on_inception_v3() -> None:
+    # docs/methods.md's one cell where PSO was 2.07% behind the MILP: the MILP's plan retains
+    # Conv2d_4a_3x3 and pays for it with BatchNorm/ReLU recomputations across the inception
+    # blocks. An ejection chain from that retain fits only through swaps that stall; its second
+    # fitting repair (polish.rs, FITTING_REPAIRS) turns them back. The MILP's plan (HiGHS, 30 s)
+    # is kept as test data and evaluated by today's cost model.
+    with open(DATA / "inception-0.25-milp-plan.json", encoding="utf-8") as f:
+        case = json.load(f)
+    prof = tp.examples.profile(case["model"], batch_size=case["batch_size"])
+    budget = case["budget_bytes"]
+    assert budget == budget_between(prof, case["fraction"])
+    milp = tp.evaluate(prof, case["milp_actions"], budget, segment_starts=case["milp_segment_starts"])
+    assert milp["feasible"]
+    pso = tp.plan_profile(prof, budget, "pso")
+    assert pso.predicted["feasible"]
+    assert pso.predicted["step_time"] <= milp["step_time"] * 1.01
 
 
 def test_milp_refuses_a_budget_below_the_lower_bound_naming_one_that_works() -> None:
