@@ -211,6 +211,12 @@ pub struct Scratch {
     replayed: Vec<bool>,
     /// Swap-outs in FIFO order: (completion time, item), item = unit | kind << KIND_SHIFT.
     queue: Vec<(f64, u32)>,
+    /// Every copy of this run in issue order, with where its completion time is kept: a
+    /// swap-out cancelled before its copy starts gives its queue time back to the copies queued
+    /// after it (`Sim::refund`).
+    pending: Vec<PendingCopy>,
+    /// Per unit, its activations' swap-out in `pending` (`usize::MAX`: none).
+    pending_of: Vec<usize>,
     /// Swapped parameters / optimizer state: on the device (prefetched, or not yet swapped out),
     /// when their prefetch completes, and whether their swap-out is queued.
     param_resident: Vec<bool>,
@@ -227,6 +233,31 @@ pub struct Scratch {
     /// Per unit, the highest backward stage at which its prefetch may be issued ahead of its need
     /// (`usize::MAX`: any). Kept across the runs of one evaluation ([`run_with_events`]).
     issue_from: Vec<usize>,
+}
+
+/// A copy on a copy queue, as issued: when it was issued, starts and ends, and which time its
+/// end is (a swap-out's entry in `Scratch::queue`, a prefetch's ready time), so that the copies
+/// behind a cancelled one can move up.
+#[derive(Debug, Clone, Copy)]
+struct PendingCopy {
+    queue: usize,
+    issue: f64,
+    start: f64,
+    dur: f64,
+    end_of: EndOf,
+    /// Its index in the recorded copies (`usize::MAX` when not recording).
+    record: usize,
+    /// Cancelled before it started: it never runs.
+    cancelled: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum EndOf {
+    /// `Scratch::queue[i]`
+    SwapOut(usize),
+    Ready(usize),
+    ParamReady(usize),
+    StateReady(usize),
 }
 
 /// Queue items: the kind of what a swap-out moves, in the item's top bits.
@@ -291,6 +322,9 @@ impl Scratch {
         self.replayed.clear();
         self.replayed.resize(n, false);
         self.queue.clear();
+        self.pending.clear();
+        self.pending_of.clear();
+        self.pending_of.resize(n, usize::MAX);
         for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
             v.clear();
             v.resize(n, false);
@@ -339,6 +373,8 @@ struct Sim<'a, E: MemoryEvents> {
     prefetch: Vec<(usize, usize)>,
     deadlines: Vec<(Stage, usize)>,
     copies: Vec<CopyEvent>,
+    /// Recorded copies cancelled before they started (left out of the outcome).
+    dropped_copies: Vec<usize>,
     replays: Vec<(usize, usize, f64, f64)>,
     state_prefetch: Vec<(Moved, usize, Stage)>,
     state_deadlines: Vec<(Stage, Moved, usize)>,
@@ -480,17 +516,71 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     }
 
     /// Queue a copy of `bytes` on the queue of its direction; returns (start, end).
-    fn copy(&mut self, unit: usize, what: Moved, to_host: bool, bytes: u64) -> (f64, f64) {
+    fn copy(&mut self, unit: usize, what: Moved, to_host: bool, bytes: u64, end_of: EndOf) -> (f64, f64) {
         let (bw, q) = if to_host { (self.g.d2h, 0) } else { (self.g.h2d, self.h2d_queue) };
         let dur = bytes as f64 / bw;
         let start = self.t.max(self.copy_free[q]);
         let end = start + dur;
         self.copy_free[q] = end;
         self.copy_time += dur;
+        let mut record = usize::MAX;
         if self.record {
+            record = self.copies.len();
             self.copies.push(CopyEvent { unit, what, to_host, queue: q, start, end, bytes });
         }
+        if let EndOf::SwapOut(_) = end_of {
+            if what == Moved::Activations {
+                self.s.pending_of[unit] = self.s.pending.len();
+            }
+        }
+        self.s.pending.push(PendingCopy { queue: q, issue: self.t, start, dur, end_of, record, cancelled: false });
         (start, end)
+    }
+
+    /// Unit `u`'s swap-out is cancelled (its device copy is used as it is). If its copy has not
+    /// started, it never runs, as the executor's backends skip a queued copy that was cancelled:
+    /// the copies queued behind it on its queue move up (FIFO, none before its issue).
+    fn refund(&mut self, u: usize) {
+        let k = self.s.pending_of[u];
+        if k == usize::MAX {
+            return;
+        }
+        self.s.pending_of[u] = usize::MAX;
+        let x = self.s.pending[k];
+        if x.start <= self.t || x.cancelled {
+            return;
+        }
+        self.s.pending[k].cancelled = true;
+        self.copy_time -= x.dur;
+        if let EndOf::SwapOut(i) = x.end_of {
+            self.s.queue[i].0 = x.start; // keeps the queue's completion times in order
+        }
+        if x.record != usize::MAX {
+            self.dropped_copies.push(x.record);
+        }
+        // The copy before it ended at its start (it was queued behind it: it starts after now).
+        let mut free = x.start;
+        for j in k + 1..self.s.pending.len() {
+            let p = self.s.pending[j];
+            if p.queue != x.queue || p.cancelled {
+                continue;
+            }
+            let start = p.issue.max(free);
+            let end = start + p.dur;
+            free = end;
+            self.s.pending[j].start = start;
+            match p.end_of {
+                EndOf::SwapOut(i) => self.s.queue[i].0 = end,
+                EndOf::Ready(v) => self.s.ready[v] = end,
+                EndOf::ParamReady(v) => self.s.param_ready[v] = end,
+                EndOf::StateReady(v) => self.s.state_ready[v] = end,
+            }
+            if p.record != usize::MAX {
+                self.copies[p.record].start = start;
+                self.copies[p.record].end = end;
+            }
+        }
+        self.copy_free[x.queue] = free;
     }
 
     /// Prefetch unit `u`'s swapped parameters or optimizer state (issued at the current stage):
@@ -512,7 +602,11 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.state_prefetch.push((what, u, self.stage));
         }
         self.make_room(bytes);
-        let (_, end) = self.copy(u, what, false, bytes);
+        let end_of = match what {
+            Moved::Parameters => EndOf::ParamReady(u),
+            _ => EndOf::StateReady(u),
+        };
+        let (_, end) = self.copy(u, what, false, bytes, end_of);
         self.mem += bytes;
         self.ev.alloc(block, bytes, self.t);
         self.touch(self.mem);
@@ -548,7 +642,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             Moved::Parameters => (self.g.param[u], KIND_PARAM),
             _ => (self.g.opt_state[u], KIND_STATE),
         };
-        let (_, end) = self.copy(u, what, true, bytes);
+        let (_, end) = self.copy(u, what, true, bytes, EndOf::SwapOut(self.s.queue.len()));
         self.s.queue.push((end, u as u32 | kind << KIND_SHIFT));
         match what {
             Moved::Parameters => self.s.param_out[u] = true,
@@ -626,7 +720,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     }
 
     fn issue_swap_out(&mut self, u: usize) {
-        let (_, end) = self.copy(u, Moved::Activations, true, self.g.act[u]);
+        let (_, end) = self.copy(u, Moved::Activations, true, self.g.act[u], EndOf::SwapOut(self.s.queue.len()));
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
         self.s.host[u] = true;
@@ -640,13 +734,14 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             // Its swap-out has not completed: the device copy is still alive, keep it.
             self.s.in_queue[u] = false;
             self.cancelled += 1;
+            self.refund(u);
             self.s.ready[u] = self.t;
             return;
         }
         // Its bytes are allocated at issue: queued swap-outs leave first if they do not fit (a
         // prefetch the stage needs is issued even when it does not fit; the excess is recorded).
         self.make_room(self.g.act[u]);
-        let (_, end) = self.copy(u, Moved::Activations, false, self.g.act[u]);
+        let (_, end) = self.copy(u, Moved::Activations, false, self.g.act[u], EndOf::Ready(u));
         self.mem += self.g.act[u];
         self.ev.alloc(What::Act(u), self.g.act[u], self.t);
         self.touch(self.mem);
@@ -661,6 +756,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             if self.s.in_queue[u] {
                 self.s.in_queue[u] = false;
                 self.cancelled += 1;
+                self.refund(u);
             }
             let ready = self.s.ready[u];
             if ready > self.t {
@@ -915,6 +1011,7 @@ fn simulate<E: MemoryEvents>(
         prefetch: Vec::new(),
         deadlines: Vec::new(),
         copies: Vec::new(),
+        dropped_copies: Vec::new(),
         replays: Vec::new(),
         state_prefetch: Vec::new(),
         state_deadlines: Vec::new(),
@@ -1234,7 +1331,16 @@ fn simulate<E: MemoryEvents>(
         curve: sim.curve,
         prefetch: sim.prefetch,
         swap_deadlines: sim.deadlines,
-        copies: sim.copies,
+        copies: {
+            let mut copies = sim.copies;
+            if !sim.dropped_copies.is_empty() {
+                let mut keep = vec![true; copies.len()];
+                sim.dropped_copies.iter().for_each(|&i| keep[i] = false);
+                let mut i = 0;
+                copies.retain(|_| (keep[i], i += 1).0);
+            }
+            copies
+        },
         replays: sim.replays,
         state_prefetch: sim.state_prefetch,
         state_deadlines: sim.state_deadlines,
@@ -1283,6 +1389,8 @@ pub struct SimState {
     lingering: Vec<u64>,
     replayed: Vec<bool>,
     queue: Vec<(f64, u32)>,
+    pending: Vec<PendingCopy>,
+    pending_of: Vec<usize>,
 }
 
 impl SimState {
@@ -1311,6 +1419,8 @@ impl SimState {
         self.lingering.clone_from(&s.lingering);
         self.replayed.clone_from(&s.replayed);
         self.queue.clone_from(&s.queue);
+        self.pending.clone_from(&s.pending);
+        self.pending_of.clone_from(&s.pending_of);
     }
 
     fn restore<E: MemoryEvents>(&self, sim: &mut Sim<E>) {
@@ -1337,6 +1447,8 @@ impl SimState {
         s.lingering.copy_from_slice(&self.lingering);
         s.replayed.copy_from_slice(&self.replayed);
         s.queue.clone_from(&self.queue);
+        s.pending.clone_from(&self.pending);
+        s.pending_of.copy_from_slice(&self.pending_of);
     }
 }
 

@@ -289,3 +289,32 @@ fn a_faster_link_keeps_the_regression_plans_feasible() {
         }
     }
 }
+
+#[test]
+fn a_swap_out_cancelled_before_its_copy_starts_never_runs() {
+    // 10 s copies behind 1-3 s stages: the swap-outs of units 1 and 2 are still queued behind
+    // unit 0's when the backward reaches them, so their device copies are used as they are and
+    // their copies never run (the backends skip a cancelled queued copy); unit 0's copy had
+    // started (2 s .. 12 s) and runs to its end.
+    let p = chain(&[1.0, 1.0, 1.0, 1.0], &[10, 10, 10, 10], 0, 1.0);
+    let o = eval(&p, &[Swap, Swap, Swap, Retain], u64::MAX);
+    assert!(o.feasible);
+    assert_eq!(o.cancelled_swaps, 3, "{:?}", o.copies);
+    assert_eq!(o.copies.len(), 1, "{:?}", o.copies);
+    assert!((o.copy_time - 10.0).abs() < 1e-9, "copy time {}", o.copy_time);
+    assert!((o.step_time - 12.0).abs() < 1e-9, "step {}", o.step_time);
+}
+
+#[test]
+fn the_copies_queued_behind_a_cancelled_swap_out_move_up() {
+    // One copy engine, 4 s copies. Unit 0's swap-out runs 2 s .. 6 s, unit 2's 9 s .. 13 s, and
+    // unit 3's is queued behind it (13 s .. 17 s) when the backward starts at 10 s and cancels
+    // it. Unit 0's prefetch then starts when unit 2's copy ends, not after the cancelled one.
+    let p = chain(&[1.0, 1.0, 6.0, 1.0, 1.0], &[10, 10, 10, 10, 10], 0, 2.5);
+    let o = eval(&p, &[Swap, Retain, Swap, Swap, Retain], u64::MAX);
+    let ran: Vec<(usize, bool, f64, f64)> = o.copies.iter().map(|c| (c.unit, c.to_host, c.start, c.end)).collect();
+    assert_eq!(ran, vec![(0, true, 2.0, 6.0), (2, true, 9.0, 13.0), (0, false, 13.0, 17.0)], "{:?}", o.copies);
+    assert_eq!(o.cancelled_swaps, 2); // unit 3's, queued, and unit 2's, whose copy had started
+    assert!((o.copy_time - 12.0).abs() < 1e-9);
+    assert_eq!(o.swap_stall, 0.0);
+}

