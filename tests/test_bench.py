@@ -746,3 +746,19 @@ def test_demo_prints_only_its_own_lines(tmp_path):
     one_cycle = ("Profiler clears events at the end of each cycle", "_warn_once(")
     assert all(re.match(FOREIGN, line) or any(w in line for w in one_cycle)
                for line in probe.stderr.splitlines() if line.strip()), probe.stderr
+
+
+def test_link_capped_bench_measures_swap_heavy_plans_within_their_predicted_peaks(tmp_path: Path) -> None:
+    """benches/link_capped.py (issue 18's CPU check), on the tiny GPT: the all-swap plan, vDNN's,
+    the swap-only MILP's and a PSO plan each run and are measured within their predicted peak."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(root / "benches" / "link_capped.py"), "--model", "tinygpt", "--batch", "4",
+                        "--seq", "32", "--repeats", "1", "--milp-time", "2", "--fractions", "0.4", "--json", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["plan"] for row in rows] == ["swap-all", "vdnn 0.40", "milp-swap 0.40", "pso 0.40"]
+    assert rows[0]["swap"] > 0 and rows[0]["recompute"] == 0
+    assert all(row["measured_peak_bytes"] <= row["predicted_peak_bytes"] for row in rows), rows
+    assert "| swap-all |" in r.stdout
