@@ -1337,7 +1337,10 @@ fn simulate<E: MemoryEvents>(
                 let mut keep = vec![true; copies.len()];
                 sim.dropped_copies.iter().for_each(|&i| keep[i] = false);
                 let mut i = 0;
-                copies.retain(|_| (keep[i], i += 1).0);
+                copies.retain(|_| {
+                    i += 1;
+                    keep[i - 1]
+                });
             }
             copies
         },
