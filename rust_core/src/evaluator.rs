@@ -545,9 +545,9 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         if k == usize::MAX {
             return;
         }
-        self.s.pending_of[u] = usize::MAX;
+        self.s.pending_of[u] = usize::MAX; // a swap-out is cancelled at most once
         let x = self.s.pending[k];
-        if x.start <= self.t || x.cancelled {
+        if x.start <= self.t {
             return;
         }
         self.s.pending[k].cancelled = true;
