@@ -2,12 +2,12 @@
 # The GPU box's first run (docs/gpu.md): within 10 minutes on one H100, every command under its own
 # time limit, everything measured on the GPU (--device cuda). Each command writes its figures as
 # JSON into $OUT as soon as it ends (the longer ones also as they go) and its output into
-# $OUT/NAME.log; a failing or timed-out command does not stop the others. The runs that go to the
-# memory limit (maxbatch) come last.
-#   OUT=gpu-results bash benches/gpu.sh            # TOTAL=570 (seconds for everything), EXTRA=1 (more)
+# $OUT/NAME.log; a failing or timed-out command does not stop the others. The runs that cap the
+# process's memory run in their own processes (reserved, maxbatch).
+#   OUT=gpu-results bash benches/gpu.sh            # TOTAL=470 (seconds for everything), EXTRA=1 (more)
 set -u
 OUT=${OUT:-gpu-results}
-TOTAL=${TOTAL:-570}        # the whole script's deadline: each limit below is cut to what is left of it
+TOTAL=${TOTAL:-470}        # the whole script's deadline: each limit below is cut to what is left of it
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
@@ -45,29 +45,29 @@ R50=(--model resnet50 --batch 128 --image 224 --classes 1000 --device "$DEVICE")
 GPT=(--model gpt12 --batch 16 --seq 1024 --device "$DEVICE")
 
 # 1. The CUDA tests: the CUDA backend, state swaps, the bench's --device cuda.
-run cuda-tests 50 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_backend.py tests/test_state_swaps.py \
+run cuda-tests 60 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_backend.py tests/test_state_swaps.py \
     tests/test_bench.py::test_device_cuda_puts_everything_on_the_gpu
-# 2. Profiles to send back (plan them anywhere), and plans from them.
-step profile-resnet50 45 profile "${R50[@]}" --repeats 3 -o "$OUT/resnet50-b128.profile.json"
-step profile-gpt12 50 profile "${GPT[@]}" --repeats 3 -o "$OUT/gpt12-b16.profile.json"
-step plan-resnet50 25 plan "$OUT/resnet50-b128.profile.json" --budget 6GiB --particles 100 --iterations 50 \
-    -o "$OUT/resnet50-b128.plan.json"
-step plan-gpt12 25 plan "$OUT/gpt12-b16.profile.json" --budget 16GiB --particles 100 --iterations 50 \
-    -o "$OUT/gpt12-b16.plan.json"
-# 3. The peers tables, planned on those profiles: each row on its own, a limit per row, a line per row.
-step peers-resnet50 100 peers "${R50[@]}" --profile "$OUT/resnet50-b128.profile.json" --time-limit 40
-step peers-gpt12 125 peers "${GPT[@]}" --profile "$OUT/gpt12-b16.profile.json" --time-limit 50 --repeats 2
-# 4. Largest batch in a budget (measured at the limit: last).
-step maxbatch-resnet50 80 maxbatch --model resnet50 --image 224 --classes 1000 --device "$DEVICE" --memory 16GiB \
-    --probe-batches 32 64 --methods pso unplanned --tries 2 --repeats 1
-step maxbatch-gpt12 70 maxbatch --model gpt12 --seq 1024 --device "$DEVICE" --memory 8GiB --probe-batches 2 4 \
-    --methods pso unplanned --tries 2 --repeats 1
+# 2. Issue 17: the peers table of ResNet-50 b64 (the batch of shared/gpu-runs/2026-11-26), each row
+#    on its own with its own limit: tensorplace's checkpoint-blocks plan against torch's checkpoint.
+step peers-resnet50-b64 110 peers --model resnet50 --batch 64 --image 224 --classes 1000 --device "$DEVICE" \
+    --repeats 5 --particles 100 --iterations 50 --time-limit 30
+# 3. Issue 18: swap-all, recompute-all and PSO plans of ResNet-50 b128, predicted against measured
+#    allocated peaks (rows in $OUT/gpu-plans.jsonl, the profile in $OUT/resnet50-b128.retain.plan.json);
+#    then a reserved-budget plan run with the process capped at its budget (its own process).
+run plans-resnet50 100 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --fractions 0.5 0.3
+run reserved-resnet50 60 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --reserved 5519MiB
+# 4. The GPT's peers table.
+step peers-gpt12 125 peers "${GPT[@]}" --time-limit 40 --repeats 2 --particles 100 --iterations 50
 echo "== done after ${SECONDS}s: $fails command(s) failed or were skipped; results in $OUT"
 
 if [ "${EXTRA:-0}" = 1 ]; then  # beyond the 10 minutes: planned against unplanned and predicted
     TOTAL=$((SECONDS + ${EXTRA_TOTAL:-300}))
+    step profile-resnet50 45 profile "${R50[@]}" --repeats 3 -o "$OUT/resnet50-b128.profile.json"
+    step peers-resnet50 100 peers "${R50[@]}" --profile "$OUT/resnet50-b128.profile.json" --time-limit 40
+    step maxbatch-resnet50 80 maxbatch --model resnet50 --image 224 --classes 1000 --device "$DEVICE" --memory 16GiB \
+        --probe-batches 32 64 --methods pso unplanned --tries 2 --repeats 1
     step demo-resnet50 100 demo "${R50[@]}" --fraction 0.5 --iterations 50 --particles 100
     step accuracy-resnet50 150 accuracy "${R50[@]}" --fractions 0.3 0.5 --iterations 50 --particles 100
-    step timeline-resnet50 40 timeline --plan "$OUT/resnet50-b128.plan.json" --png "$OUT/timeline-resnet50.png"
+    step timeline-resnet50 40 timeline --plan "$OUT/resnet50-b128.retain.plan.json" --png "$OUT/timeline-resnet50.png"
 fi
 exit $((fails > 0))
