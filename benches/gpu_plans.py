@@ -39,6 +39,28 @@ def emit(out: str, row: Dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def host_and_step(module: Any, x: Any, loss_fn: Any, dev: Any, repeats: int) -> Dict[str, float]:
+    """Median over ``repeats`` steps of the host's time to issue a step (until backward returns)
+    and of the whole step (until the device is done): equal where the step is host-bound."""
+    host, step = [], []
+    for _ in range(repeats):
+        for p in module.parameters():
+            p.grad = None
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        loss_fn(module(x)).backward()
+        t1 = time.perf_counter()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        step.append(t2 - t0)
+    for p in module.parameters():
+        p.grad = None
+    return {"host_issue_time": sorted(host)[len(host) // 2], "synced_step_time": sorted(step)[len(step) // 2]}
+
+
 def record_trace(module: Any, x: Any, loss_fn: Any, dev: Any, path: str, **info: Any) -> None:
     """One training step of ``module`` from an empty cache, its caching-allocator events written
     to ``path`` as an allocator trace (docs/formats.md)."""
@@ -103,7 +125,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name(dev) if cuda else None, "torch": torch.__version__}
     reference = peers._step(model, x, loss_fn)
     base = peers._measure(model, x, loss_fn, a.repeats)
-    emit(a.out, {**tag, "row": "unplanned", **base})
+    emit(a.out, {**tag, "row": "unplanned", **base, **host_and_step(model, x, loss_fn, dev, a.repeats)})
     if a.trace and cuda:
         record_trace(model, x, loss_fn, dev, os.path.join(a.out, "alloc-unplanned.json"), model=a.model,
                      batch=a.batch, scenario="unplanned")
@@ -146,6 +168,7 @@ def main() -> int:
             try:
                 row.update(peers._measure(fast, x, loss_fn, a.repeats))
                 row["bitwise"] = peers._equal(peers._step(fast, x, loss_fn), reference)
+                row.update(host_and_step(fast, x, loss_fn, dev, a.repeats))
                 stats = getattr(fast, "last_stats", None)
                 row["stats"] = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float, bool))} if stats else None
                 if a.trace and cuda:
