@@ -483,15 +483,18 @@ def _memory_recording(device: torch.device):
     events.sort(key=lambda ev: (ev[0], ev[1] is None))
 
 
-def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> Tuple[Dict[Tuple[str, int], int], int]:
+def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
+                 allocs: Optional[Dict[Tuple[str, int], List[int]]] = None) -> Tuple[Dict[Tuple[str, int], int], int]:
     """Peak of the running allocation sum (relative to the step's start) per stage, and over the
     whole step. Stage keys: ("fwd", i) and ("bwd", i); the region between the backward call and
-    the first backward window (the loss's backward) joins that window."""
+    the first backward window (the loss's backward) joins that window. ``allocs``, if given, is
+    filled with each stage's allocation sizes in order."""
     level = 0
     overall = 0
     peaks: Dict[Tuple[str, int], int] = {}
     stage: Optional[Tuple[str, int]] = None
     pending: Optional[int] = None  # peak of the loss-backward region, not yet given to a unit
+    pending_allocs: List[int] = []
     started = False
     for _, delta, label in events:
         if label is not None:
@@ -510,6 +513,9 @@ def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> 
                 if pending is not None:
                     peaks[stage] = max(peaks.get(stage, pending), pending)
                     pending = None
+                    if allocs is not None:
+                        allocs.setdefault(stage, []).extend(pending_allocs)
+                        pending_allocs = []
             else:
                 continue
             if stage is not None:
@@ -522,8 +528,12 @@ def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> 
         if stage is not None:
             if level > peaks[stage]:
                 peaks[stage] = level
+            if allocs is not None and delta > 0:
+                allocs.setdefault(stage, []).append(delta)
         elif pending is not None:
             pending = max(pending, level)
+            if allocs is not None and delta > 0:
+                pending_allocs.append(delta)
     return peaks, overall
 
 
@@ -936,10 +946,12 @@ def _bisect_right(a: Sequence[int], x: int) -> int:
     return lo
 
 
-def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> Dict[int, int]:
+def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
+                    allocs: Optional[Dict[int, List[int]]] = None) -> Dict[int, int]:
     """Per replayed unit, the peak of the running allocation sum between the executor's
     R<unit> and r<unit> markers above its value at R<unit> (a marker at the same timestamp as an
-    allocation: R before it, r after it)."""
+    allocation: R before it, r after it). ``allocs``, if given, is filled with each replay's
+    allocation sizes in order."""
     def key(ev: Tuple[int, Optional[int], Optional[str]]) -> Tuple[int, int]:
         label = ev[2]
         return (ev[0], 1 if label is None else (0 if label.startswith("R") else 2))
@@ -952,6 +964,8 @@ def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) 
         if label is None:
             level += delta or 0
             peak = max(peak, level)
+            if allocs is not None and open_unit is not None and (delta or 0) > 0:
+                allocs.setdefault(open_unit, []).append(delta)
         elif label[:1] == "R" and label[1:].isdigit():
             open_unit, start, peak = int(label[1:]), level, level
         elif label[:1] == "r" and label[1:].isdigit() and open_unit == int(label[1:]):
@@ -961,9 +975,11 @@ def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) 
 
 
 def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, n: int,
-                 backend: Any, specs: Any, dev: torch.device) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]]]:
+                 backend: Any, specs: Any, dev: torch.device,
+                 allocs: Optional[Dict[int, List[int]]] = None) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]]]:
     """The replay step (module docstring): ({unit: peak of its replay above its start},
-    StepStats.dropped_alive), or ({}, {}) with a warning if the all-recompute step fails."""
+    StepStats.dropped_alive), or ({}, {}) with a warning if the all-recompute step fails.
+    ``allocs``: filled with each replay's allocation sizes."""
     planned = executor_mod.PlannedModule(model, ["recompute"] * n, backend=backend, units=specs)
     try:
         _clear_grads(model)
@@ -973,7 +989,7 @@ def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], los
             with _memory_recording(dev) as events:
                 _run_step(planned, args, loss_fn)
         stats = planned.last_stats
-        return _replay_windows(events), dict(stats.dropped_alive) if stats is not None else {}
+        return _replay_windows(events, allocs), dict(stats.dropped_alive) if stats is not None else {}
     except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
         warnings.warn(
             f"the replay step (every unit recomputed) failed ({type(exc).__name__}: {exc}); the "
@@ -1267,7 +1283,8 @@ def profile_model(
         with _memory_recording(dev) as events:
             _run_step(model, args, loss_fn, inst=inst)
         _check_sequence(units_mod, expected, inst.sequence, "the memory step")
-        peaks, overall = _stage_peaks(events)
+        stage_allocs: Dict[Tuple[str, int], List[int]] = {}
+        peaks, overall = _stage_peaks(events, stage_allocs)
         grad_window = dict(inst.grad_window)
         # The timed steps: the plain model, instrumented steps (stage times) interleaved with
         # uninstrumented ones (the step as a user runs it); the instrument's own time is taken out
@@ -1292,7 +1309,8 @@ def profile_model(
             step_runs.append(step)
             plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
-        replays, alive = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev)
+        replay_allocs: Dict[int, List[int]] = {}
+        replays, alive = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev, replay_allocs)
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
         # The optimizer step, per unit (on copies).
@@ -1344,6 +1362,16 @@ def profile_model(
         if opt_units is not None:
             out_units[-1].update(opt_units[i])
     last_fwd = _last_fwd_readers(out_units)
+    # Single requests larger than any unit output (cuDNN workspaces): the allocation sequence
+    # gives them blocks of their own (docs/cost-model.md, "Reserved memory"); at most 8 a stage.
+    largest = max((u["output_bytes"] for u in out_units), default=0)
+    for i, u in enumerate(out_units):
+        for key, sizes in (("fwd_large_allocs", stage_allocs.get(("fwd", i))),
+                           ("bwd_large_allocs", stage_allocs.get(("bwd", i))),
+                           ("replay_large_allocs", replay_allocs.get(i))):
+            big = [int(b) for b in sizes or () if b > largest]
+            if big:
+                u[key] = big[-8:]
     for i, u in enumerate(out_units):
         if i in replays:
             u["replay_transient_bytes"] = max(0, replays[i] - u["act_bytes"])

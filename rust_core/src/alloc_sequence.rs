@@ -17,7 +17,10 @@
 //!
 //! Blocks larger than the profile's largest unit output are allocated in pieces of that size
 //! ([`Recorder`]): the profile gives sums over tensors, not the tensors, and the largest output
-//! is the best guess of the largest tensor (docs/cost-model.md, "Reserved memory").
+//! is the best guess of the largest tensor (docs/cost-model.md, "Reserved memory"). The
+//! exceptions are the single requests larger than that which the profile lists for a stage or
+//! replay (`fwd_large_allocs`, ...: cuDNN workspaces): its transient block allocates them as
+//! they came, each but the last freed before the next.
 //!
 //! The simulator counts a block's rounded size (512 bytes, and whole
 //! 2 MiB segment tails it does not split off), so its allocated peak can be a little higher
@@ -137,10 +140,12 @@ pub struct Recorder {
     pub what: Vec<What>,
     /// Per event, when it happens (seconds from the step's start).
     pub times: Vec<f64>,
-    /// The largest allocation (0: no limit).
+    /// The largest allocation (0: no limit), but for `large`.
     pub max_tensor: u64,
-    /// Per live block: its first id, its number of pieces, its bytes.
-    live: HashMap<What, (u64, u64, u64)>,
+    /// Per transient block, the single requests larger than `max_tensor` it makes, in order.
+    pub large: HashMap<What, Vec<u64>>,
+    /// Per live block: the ids of its pieces still allocated, its bytes.
+    live: HashMap<What, (Vec<u64>, u64)>,
     next_id: u64,
     /// A block allocated while a block of the same name was live (a bug of the hooks).
     pub error: Option<String>,
@@ -149,7 +154,25 @@ pub struct Recorder {
 impl Recorder {
     /// Bytes of the live blocks.
     pub fn live_bytes(&self) -> u64 {
-        self.live.values().map(|&(_, _, b)| b).sum()
+        self.live.values().map(|(_, b)| b).sum()
+    }
+
+    fn push(&mut self, event: AllocEvent, what: What, at: f64) {
+        self.events.push(event);
+        self.what.push(what);
+        self.times.push(at);
+    }
+
+    /// Allocate `bytes` as pieces of at most `max_tensor`, their ids added to `ids`.
+    fn pieces(&mut self, what: What, mut left: u64, at: f64, ids: &mut Vec<u64>) {
+        while left > 0 {
+            let size = if self.max_tensor > 0 { left.min(self.max_tensor) } else { left };
+            let id = self.next_id;
+            self.next_id += 1;
+            self.push(AllocEvent::Alloc { id, size, stream: 0 }, what, at);
+            ids.push(id);
+            left -= size;
+        }
     }
 }
 
@@ -163,25 +186,33 @@ impl MemoryEvents for Recorder {
         if self.live.contains_key(&what) && self.error.is_none() {
             self.error = Some(format!("block {} allocated twice (event {})", what.label(), self.events.len()));
         }
-        let first = self.next_id;
-        let mut left = bytes;
-        while left > 0 {
-            let size = if self.max_tensor > 0 { left.min(self.max_tensor) } else { left };
-            self.events.push(AllocEvent::Alloc { id: self.next_id, size, stream: 0 });
-            self.what.push(what);
-            self.times.push(at);
+        // The block's large requests that fit in it, as they came: each but the last freed before
+        // the next one, the rest of the block in pieces beside them. The block holds `bytes` at
+        // its end and never more.
+        let large: Vec<u64> =
+            self.large.get(&what).map(|l| l.iter().copied().filter(|&w| w <= bytes).collect()).unwrap_or_default();
+        let largest = large.iter().copied().max().unwrap_or(0);
+        let mut ids = Vec::new();
+        self.pieces(what, bytes - largest, at, &mut ids);
+        for (k, &w) in large.iter().enumerate() {
+            let id = self.next_id;
             self.next_id += 1;
-            left -= size;
+            self.push(AllocEvent::Alloc { id, size: w, stream: 0 }, what, at);
+            if k + 1 < large.len() {
+                self.push(AllocEvent::Free { id }, what, at);
+            } else {
+                ids.push(id);
+            }
         }
-        self.live.insert(what, (first, self.next_id - first, bytes));
+        let last = large.last().copied().unwrap_or(0);
+        self.pieces(what, largest - last, at, &mut ids);
+        self.live.insert(what, (ids, bytes));
     }
 
     fn free(&mut self, what: What, at: f64) {
-        if let Some((first, pieces, _)) = self.live.remove(&what) {
-            for id in first..first + pieces {
-                self.events.push(AllocEvent::Free { id });
-                self.what.push(what);
-                self.times.push(at);
+        if let Some((ids, _)) = self.live.remove(&what) {
+            for id in ids {
+                self.push(AllocEvent::Free { id }, what, at);
             }
         }
     }
@@ -269,7 +300,17 @@ pub fn allocation_sequence_with_swaps(
     budget: u64,
     opts: &EvalOptions,
 ) -> Result<Sequence> {
-    let mut rec = Recorder { max_tensor: g.out.iter().copied().max().unwrap_or(0), ..Recorder::default() };
+    let max_tensor = g.out.iter().copied().max().unwrap_or(0);
+    let mut large = HashMap::new();
+    for u in 0..g.n {
+        for (what, l) in [(What::FwdWork(u), &g.fwd_large[u]), (What::BwdWork(u), &g.bwd_large[u]), (What::ReplayWork(u), &g.replay_large[u])] {
+            let l: Vec<u64> = l.iter().copied().filter(|&w| w > max_tensor).collect();
+            if !l.is_empty() {
+                large.insert(what, l);
+            }
+        }
+    }
+    let mut rec = Recorder { max_tensor, large, ..Recorder::default() };
     let outcome = run_with_events(g, actions, starts, swaps, budget, opts, &mut Scratch::new(g.n), true, &mut rec);
     if let Some(e) = rec.error {
         return Err(crate::error::CoreError::InvalidPlan(format!("allocation sequence: {e}")));

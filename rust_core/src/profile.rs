@@ -132,6 +132,16 @@ pub struct Unit {
     pub fwd_host_time: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bwd_host_time: Option<f64>,
+    /// Single allocation requests larger than the profile's largest unit output that its forward
+    /// stage, its backward stage and its replay made, in order (cuDNN workspaces, say): the
+    /// allocation sequence gives them their own blocks (docs/cost-model.md, "Reserved memory").
+    /// Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fwd_large_allocs: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bwd_large_allocs: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_large_allocs: Option<Vec<u64>>,
 }
 
 /// The executor's own host seconds per action on the profiled device (cuda_exec/calibrate.py):
@@ -282,6 +292,11 @@ pub struct Graph {
     pub replay_inputs: Vec<Vec<usize>>,
     /// Per unit, bytes a replay allocates on top of its activations while it runs.
     pub replay_extra: Vec<u64>,
+    /// Per unit, the profile's `fwd_large_allocs`, `bwd_large_allocs`, `replay_large_allocs`
+    /// (empty when absent).
+    pub fwd_large: Vec<Vec<u64>>,
+    pub bwd_large: Vec<Vec<u64>>,
+    pub replay_large: Vec<Vec<u64>>,
     /// Per unit, bytes of its activations still referenced by the forward after its last forward
     /// reader (0 if none), and the forward stage after which they are let go (`n`: never in
     /// the forward).
@@ -774,6 +789,9 @@ impl Profile {
             inputs: g_inputs,
             replay_inputs,
             replay_extra,
+            fwd_large: self.units.iter().map(|u| u.fwd_large_allocs.clone().unwrap_or_default()).collect(),
+            bwd_large: self.units.iter().map(|u| u.bwd_large_allocs.clone().unwrap_or_default()).collect(),
+            replay_large: self.units.iter().map(|u| u.replay_large_allocs.clone().unwrap_or_default()).collect(),
             linger,
             linger_until,
             linger_release_after_fwd,

@@ -330,3 +330,71 @@ fn a_reserved_budget_search_is_deterministic_for_a_seed_whatever_the_thread_coun
     assert_eq!(one.settings["reserved_search"], two.settings["reserved_search"]);
     assert!(one.settings["reserved_search"]["rounds"].as_array().unwrap().len() > 1, "the search searched");
 }
+
+#[test]
+fn a_stages_large_requests_get_their_own_blocks_and_the_count_is_unchanged() {
+    // cuDNN asks for workspaces larger than any tensor of the model; a profile lists them per
+    // stage and the sequence allocates them whole, in order, each but the last freed before the
+    // next, while the evaluator's memory count (and so its peak) stays what it was.
+    for (k, name) in ["resnet50", "inception_v3"].iter().enumerate() {
+        let mut base = load(name);
+        let largest = base.units.iter().map(|u| u.output_bytes as u64).max().unwrap();
+        // two backward stages with a transient large enough for three such requests
+        for i in [base.units.len() / 3, base.units.len() / 2] {
+            base.units[i].bwd_transient_bytes = (3 * largest + 10) as i64;
+        }
+        let mut p = base.clone();
+        let mut listed = Vec::new();
+        for (i, u) in p.units.iter_mut().enumerate() {
+            let b = u.bwd_transient_bytes as u64;
+            if b > 2 * largest + 2 {
+                let sizes = vec![largest + 1, b / 2 + 1, largest + 2];
+                u.bwd_large_allocs = Some(sizes.clone());
+                listed.push((i, sizes));
+            }
+            if u.fwd_transient_bytes as u64 > largest {
+                u.fwd_large_allocs = Some(vec![u.fwd_transient_bytes as u64, largest / 2]); // the second is no large request
+            }
+        }
+        assert!(listed.len() >= 2, "{name}");
+        let plain_g = base.graph().unwrap();
+        let g = p.graph().unwrap();
+        let (lb, up) = (lower_bound(&g).0, unplanned_peak(&g));
+        let mut rng = ChaCha8Rng::seed_from_u64(300 + k as u64);
+        for round in 0..12 {
+            let (actions, starts) = if round == 0 { (vec![Action::Retain; g.n], vec![false; g.n]) } else { random_plan(&mut rng, g.n) };
+            let budget = lb + ((up - lb) as f64 * rng.gen::<f64>()) as u64;
+            let eval = EvalOptions::default();
+            let seq = allocation_sequence(&g, &actions, &starts, budget, &eval).unwrap();
+            let before = allocation_sequence(&plain_g, &actions, &starts, budget, &eval).unwrap();
+            assert_eq!(seq.outcome, before.outcome, "{name}: the lists change no evaluation");
+            assert_eq!(seq.requested_peak(), seq.outcome.peak_bytes, "{name} round {round}");
+            let mut live = std::collections::HashMap::new();
+            for e in &seq.events {
+                match *e {
+                    AllocEvent::Alloc { id, size, .. } => assert!(live.insert(id, size).is_none()),
+                    AllocEvent::Free { id } => assert!(live.remove(&id).is_some(), "{name}: free of a dead block"),
+                    _ => unreachable!(),
+                }
+            }
+            assert_eq!(seq.constant + live.values().sum::<u64>(), seq.outcome.end_bytes, "{name}");
+            // Each backward stage listed allocates its three requests whole and in order.
+            for (i, sizes) in &listed {
+                let got: Vec<u64> = seq
+                    .events
+                    .iter()
+                    .zip(&seq.what)
+                    .filter_map(|(e, w)| match *e {
+                        AllocEvent::Alloc { size, .. } if *w == What::BwdWork(*i) && size > largest => Some(size),
+                        _ => None,
+                    })
+                    .collect();
+                assert!(!got.is_empty() && got.len() % 3 == 0, "{name} stage {i}: {got:?}");
+                assert_eq!(&got[..3], &sizes[..], "{name} stage {i}");
+            }
+            // A forward transient listed whole is one block of its size; the small entry is ignored.
+            assert!(seq.events.iter().all(|e| !matches!(*e, AllocEvent::Alloc { size, .. } if size > largest
+                && !listed.iter().any(|(_, s)| s.contains(&size)) && !g.fwd_transient.contains(&size))));
+        }
+    }
+}

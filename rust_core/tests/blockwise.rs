@@ -8,7 +8,7 @@ use tensorplace_core::incremental::Context;
 use tensorplace_core::planner::{make_plan, PlanSettings};
 use tensorplace_core::pso::{search, PsoSettings};
 use tensorplace_core::recipes::{repeated_block_classes, repeated_blocks};
-use tensorplace_core::{Action, Profile};
+use tensorplace_core::Profile;
 
 fn data(name: &str) -> Profile {
     let path = format!("{}/tests/data/{name}.json", env!("CARGO_MANIFEST_DIR"));

@@ -35,6 +35,9 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         glue_scope: None,
         fwd_host_time: None,
         bwd_host_time: None,
+        fwd_large_allocs: None,
+        bwd_large_allocs: None,
+        replay_large_allocs: None,
     }
 }
 
