@@ -217,3 +217,39 @@ def test_run_on_cpu_says_nothing_about_reserved_memory():
         warnings.simplefilter("always")
         tp.run(model, plan)
     assert not [x for x in w if issubclass(x.category, api.ReservedMemoryWarning)]
+
+
+class _Scratchy(torch.nn.Module):
+    """A linear layer whose forward also takes a large scratch buffer (as a cuDNN workspace) and
+    lets it go: a single request larger than any unit output."""
+
+    def __init__(self, width: int, scratch: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.scratch = scratch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = torch.empty(self.scratch, dtype=torch.uint8)
+        work.fill_(1)
+        return self.lin(x) + work[:1].float() * 0
+
+
+def test_a_stages_workspace_is_profiled_and_gets_its_own_block():
+    torch.manual_seed(0)
+    width, scratch = 64, 6 * 2**20  # outputs of 16 KiB; a 6 MiB workspace in the middle unit
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), _Scratchy(width, scratch), torch.nn.Linear(width, width))
+    x = torch.randn(64, width)
+    probe = tp.plan(model, x, 2**40, loss_fn=lambda out: out.sum(), method="retain", repeats=1)
+    prof = probe.to_dict()["profile"]
+    # the glue after a unit is its stage's: the workspace is the first unit's or the second's
+    assert any(scratch in u.get("fwd_large_allocs", []) for u in prof["units"]), prof["units"]
+    assert all(b > max(u["output_bytes"] for u in prof["units"]) for u in prof["units"]
+               for key in ("fwd_large_allocs", "bwd_large_allocs", "replay_large_allocs") for b in u.get(key, []))
+    seq = tp.allocation_sequence(prof, probe.actions, 2**40)
+    sizes = [e["size"] for e in seq["events"] if e["op"] == "alloc"]
+    assert scratch in sizes  # one block of its own, not pieces of the largest output
+    prof_without = json.loads(json.dumps(prof))
+    for u in prof_without["units"]:
+        for key in ("fwd_large_allocs", "bwd_large_allocs", "replay_large_allocs"):
+            u.pop(key, None)
+    assert scratch not in [e["size"] for e in tp.allocation_sequence(prof_without, probe.actions, 2**40)["events"] if e["op"] == "alloc"]
