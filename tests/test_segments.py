@@ -177,3 +177,42 @@ def test_a_unit_replayed_only_to_hand_back_a_saved_value_lets_its_activations_go
     r = tp.evaluate(p, actions, 2**62, segment_starts=[3])
     assert r["end_bytes"] == 0
     assert [x["unit"] for x in r["replays"]] == [3, 2, 0]
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0 (only its device is read in this test)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def test_a_segments_cuda_generator_is_saved_at_its_first_call(monkeypatch) -> None:
+    # The replay of a segment of several top calls runs them all from the generators' saved
+    # states: those must be the states at the segment's start (a GPT block's later calls come
+    # after its first dropout drew), as torch's checkpoint keeps them. Found on an H200: the
+    # all-recompute plan of a 12-layer GPT with dropout trained not bitwise equal.
+    from cuda_exec.program import ARG_HOLD, AlignedSegment, ArgKind, TopCall
+    from cuda_exec.segment_frame import SegmentFrame
+
+    drawn = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=0: torch.tensor([drawn[0], device]))
+    call = TopCall(module=nn.Identity(), args=[ArgKind(ARG_HOLD)], keep=[], packs=0, simple=True)
+    spec = AlignedSegment(index=0, first=0, last=2, calls=[call, call, call], random=True, restore=[], holds=0)
+
+    class _State:
+        pass
+
+    state = _State()
+    frame = SegmentFrame(spec, state)  # type: ignore[arg-type]
+    frame.start()
+    x = torch.zeros(2).as_subclass(_OnCuda)
+    for i in range(3):
+        frame.capture(i, (x,), {}, {})
+        drawn[0] += 1  # the call's dropout draws
+    assert [(d, s.tolist()) for d, s in frame.rng_cuda] == [(0, [0, 0])]

@@ -167,7 +167,13 @@ class SegmentFrame:
         self.args[i] = kept
         self.specs[i] = treespec
         if cuda and torch.cuda.is_available():
-            self.rng_cuda = [(d, torch.cuda.get_rng_state(d)) for d in sorted(set(cuda))]
+            # a device's generator once per segment, at the first top call that uses the device
+            # (as the CPU generator at start()): a later top call's state has moved past what the
+            # segment's earlier calls drew, and the replay runs them all from the saved states
+            have = {d for d, _ in self.rng_cuda}
+            new = sorted(set(cuda) - have)
+            if new:
+                self.rng_cuda = self.rng_cuda + [(d, torch.cuda.get_rng_state(d)) for d in new]
 
     def bind_entry(self, i: int, leaf: int, entry: _Entry) -> None:
         """The swap entry of an argument held since top call ``i`` started exists now: the
