@@ -45,9 +45,10 @@ The timeline of a step is cut into stages, the cost model's F0..F(n-1), B(n-1)..
   pre-hook to unit i+1's (autograd sequence numbers in that range), i.e. its module call and the
   glue after it, as cuda_exec.units defines a segment. Just before `loss.backward()` the graph is
   walked from the loss and every such node gets a pre-hook; unit i's window runs from the first
-  of its nodes starting to the first node of another unit starting. The loss's backward belongs
-  to the first backward window; AccumulateGrad nodes (no sequence number) to the window they run
-  in. The autograd engine runs ready nodes in decreasing sequence number, so the windows come in
+  of its nodes starting to the first node of another unit starting. The loss's backward (from
+  the backward call to the first window) is a region of its own, before the first window; its
+  peak is that unit's `loss_transient_bytes`. AccumulateGrad nodes (no sequence number) belong to
+  the window they run in. The autograd engine runs ready nodes in decreasing sequence number, so the windows come in
   the order B(n-1)..B0. A unit with no backward node (an Identity, a unit on a path without
   gradient) gets an empty window: time 0, transient 0.
   (Module full-backward hooks are not used: they wrap inputs and outputs in a custom Function,
@@ -83,7 +84,9 @@ Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
   used in glue) is charged to the backward window in which its gradient is accumulated; one that
   gets no gradient in the step (frozen, or in a module the forward does not call) to none.
 - fwd_transient_bytes / bwd_transient_bytes: the measured peak of the stage minus what the cost
-  model's all-retain walk (docs/cost-model.md) already counts at that stage, never negative. So
+  model's all-retain walk (docs/cost-model.md) already counts at that stage, never negative;
+  loss_transient_bytes the same for the loss's backward (the count before the stage's
+  gradients). So
   the evaluator's all-retain plan predicts exactly the measured per-stage peaks wherever the
   model counts no more than is really there, and the measured whole-step peak with it
   (`simulate_all_retain` is that walk, in Python, for checks). Known overcount: an in-place
@@ -432,7 +435,8 @@ def simulate_all_retain(profile: Dict[str, Any]) -> Dict[str, Any]:
     constant = sum(int(v) for v in profile["memory"].values())
     fwd, bwd = _counted_all_retain(units, constant)
     fwd_peaks = [c + u.get("fwd_transient_bytes", 0) for c, u in zip(fwd, units)]
-    bwd_peaks = [c + u.get("bwd_transient_bytes", 0) for c, u in zip(bwd, units)]
+    bwd_peaks = [max(c + u.get("bwd_transient_bytes", 0), c - u.get("grad_bytes", 0) + u.get("loss_transient_bytes", 0))
+                 for c, u in zip(bwd, units)]
     peak, stage = constant, "start"
     for i, v in enumerate(fwd_peaks):
         if v > peak:
@@ -486,15 +490,15 @@ def _memory_recording(device: torch.device):
 def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
                  allocs: Optional[Dict[Tuple[str, int], List[int]]] = None) -> Tuple[Dict[Tuple[str, int], int], int]:
     """Peak of the running allocation sum (relative to the step's start) per stage, and over the
-    whole step. Stage keys: ("fwd", i) and ("bwd", i); the region between the backward call and
-    the first backward window (the loss's backward) joins that window. ``allocs``, if given, is
-    filled with each stage's allocation sizes in order."""
+    whole step. Stage keys: ("fwd", i) and ("bwd", i), and ("loss", i) for the region between the
+    backward call and the first backward window, unit i's (the loss's backward; with the loss's
+    forward when the step's start marker comes before it). ``allocs``, if given, is filled with
+    each stage's allocation sizes in order (the loss region's are left out)."""
     level = 0
     overall = 0
     peaks: Dict[Tuple[str, int], int] = {}
     stage: Optional[Tuple[str, int]] = None
     pending: Optional[int] = None  # peak of the loss-backward region, not yet given to a unit
-    pending_allocs: List[int] = []
     started = False
     for _, delta, label in events:
         if label is not None:
@@ -511,11 +515,8 @@ def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
             elif label[0] == "B":
                 stage = ("bwd", int(label[1:]))
                 if pending is not None:
-                    peaks[stage] = max(peaks.get(stage, pending), pending)
+                    peaks[("loss", stage[1])] = pending
                     pending = None
-                    if allocs is not None:
-                        allocs.setdefault(stage, []).extend(pending_allocs)
-                        pending_allocs = []
             else:
                 continue
             if stage is not None:
@@ -532,8 +533,6 @@ def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
                 allocs.setdefault(stage, []).append(delta)
         elif pending is not None:
             pending = max(pending, level)
-            if allocs is not None and delta > 0:
-                pending_allocs.append(delta)
     return peaks, overall
 
 
@@ -1389,6 +1388,9 @@ def profile_model(
             u["fwd_transient_bytes"] = max(0, const_total + f - fwd_c[i])
         if b is not None:
             u["bwd_transient_bytes"] = max(0, const_total + b - bwd_c[i])
+        lp = peaks.get(("loss", i))
+        if lp is not None:  # before the stage's own gradients: bwd_c[i] less them
+            u["loss_transient_bytes"] = max(0, const_total + lp - (bwd_c[i] - u["grad_bytes"]))
     first = next((t for t in _tensors_in(list(args)) if t.dim() > 0), None)
     return {
         "format": PROFILE_FORMAT,

@@ -70,6 +70,8 @@ pub enum What {
     BwdWork(usize),
     /// Transient: the stage's parameter gradients charged under a replay inside the stage.
     ReplayGrad(usize),
+    /// Transient: the loss's backward before the stage (`loss_transient_bytes`).
+    LossWork(usize),
     /// Swapped parameters of a unit, from their prefetch to their swap-out after the optimizer.
     Param(usize),
     /// Swapped optimizer state of a unit, from its prefetch to its swap-out.
@@ -94,6 +96,7 @@ impl What {
             What::Kept(u) => ("kept", u),
             What::BwdWork(u) => ("bwd_work", u),
             What::ReplayGrad(u) => ("replay_grad", u),
+            What::LossWork(u) => ("loss_work", u),
             What::Param(u) => ("param", u),
             What::OptState(u) => ("opt_state", u),
             What::OptWork(u) => ("opt_work", u),

@@ -1219,6 +1219,15 @@ fn simulate<E: MemoryEvents>(
             sim.issue_prefetch(u, i);
             next += 1;
         }
+        // The loss's backward runs before the stage's first node: before its replays, beside what
+        // it has prefetched.
+        if g.loss_transient[i] > 0 {
+            sim.make_room(g.loss_transient[i]);
+            if E::ENABLED {
+                sim.ev.alloc(What::LossWork(i), g.loss_transient[i], sim.t);
+                sim.ev.free(What::LossWork(i), sim.t);
+            }
+        }
         for k in 0..g.needs[i].len() {
             let u = g.needs[i][k];
             // What a recomputed unit saved of another segment's recomputed unit is its held input:

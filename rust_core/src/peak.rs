@@ -73,7 +73,8 @@ fn bound(g: &Graph, swapping: bool) -> (u64, Stage) {
     for i in (0..g.n).rev() {
         grads += g.grad[i];
         let reads: u64 = g.needs[i].iter().map(|&u| g.act[u]).sum();
-        let need = g.constant - states + grads + g.bwd_transient[i] + reads;
+        // the stage's own transient, or the loss's backward before it (without its gradients)
+        let need = g.constant - states + reads + (grads + g.bwd_transient[i]).max(grads - g.grad[i] + g.loss_transient[i]);
         if need > best.0 {
             best = (need, Stage::Bwd(i));
         }

@@ -142,6 +142,12 @@ pub struct Unit {
     pub bwd_large_allocs: Option<Vec<u64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_large_allocs: Option<Vec<u64>>,
+    /// Peak of the loss's backward (from the backward call to this unit's first backward node:
+    /// the first backward stage's unit), beyond what the cost model counts before the stage's
+    /// gradients; it runs before the stage's prefetches wait and before its replays. Absent: 0
+    /// (profiles that count it in `bwd_transient_bytes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_transient_bytes: Option<i64>,
 }
 
 /// The executor's own host seconds per action on the profiled device (cuda_exec/calibrate.py):
@@ -285,6 +291,8 @@ pub struct Graph {
     pub copy_engines: usize,
     pub fwd_transient: Vec<u64>,
     pub bwd_transient: Vec<u64>,
+    /// Per unit, `loss_transient_bytes` (0 when absent).
+    pub loss_transient: Vec<u64>,
     pub grad: Vec<u64>,
     pub inputs: Vec<Vec<usize>>,
     /// Per unit, the inputs whose activations a replay of the unit needs resident (`saved_inputs`,
@@ -515,6 +523,7 @@ impl Profile {
                 ("bwd_transient_bytes", u.bwd_transient_bytes),
                 ("grad_bytes", u.grad_bytes),
                 ("replay_transient_bytes", u.replay_transient_bytes.unwrap_or(0)),
+                ("loss_transient_bytes", u.loss_transient_bytes.unwrap_or(0)),
                 ("lingering_bytes", u.lingering_bytes.unwrap_or(0)),
                 ("param_bytes", u.param_bytes.unwrap_or(0)),
                 ("optimizer_state_bytes", u.optimizer_state_bytes.unwrap_or(0)),
@@ -785,6 +794,7 @@ impl Profile {
             copy_engines: copy_engines as usize,
             fwd_transient: u64s(&|u| u.fwd_transient_bytes),
             bwd_transient: u64s(&|u| u.bwd_transient_bytes),
+            loss_transient: u64s(&|u| u.loss_transient_bytes.unwrap_or(0)),
             grad: u64s(&|u| u.grad_bytes),
             inputs: g_inputs,
             replay_inputs,

@@ -99,6 +99,8 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
 /// none); `needs[i]` the units whose activations unit i's backward reads, largest first;
 /// `held_from` and `saved_from` as (producer, bytes) pairs, derived when the profile has none;
 /// `block_start` the default segment starts; `linger_until` >= n: never let go in the forward.
+/// `bwd_transient` includes the loss's backward where that needs more (`loss_transient` less the
+/// stage's gradients): a model that charges the stage's transient once bounds both.
 #[pyfunction]
 fn profile_graph(profile_json: &str) -> PyResult<String> {
     let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
@@ -106,7 +108,9 @@ fn profile_graph(profile_json: &str) -> PyResult<String> {
         "n": g.n, "constant": g.constant, "d2h": g.d2h, "h2d": g.h2d, "copy_engines": g.copy_engines,
         "fwd_time": g.fwd_time, "bwd_time": g.bwd_time, "act": g.act, "out": g.out, "out_saved": g.out_saved,
         "held": g.held, "random": g.random, "rng_state": g.rng_state, "held_from": g.held_from, "saved_from": g.saved_from, "block_start": g.block_start,
-        "fwd_transient": g.fwd_transient, "bwd_transient": g.bwd_transient, "grad": g.grad,
+        "fwd_transient": g.fwd_transient,
+        "bwd_transient": (0..g.n).map(|i| g.bwd_transient[i].max(g.loss_transient[i].saturating_sub(g.grad[i]))).collect::<Vec<_>>(),
+        "grad": g.grad,
         "inputs": g.inputs, "replay_inputs": g.replay_inputs, "replay_extra": g.replay_extra,
         "linger": g.linger, "linger_until": g.linger_until, "last_fwd": g.last_fwd,
         "first_need": g.first_need, "last_use": g.last_use, "needs": g.needs,

@@ -38,6 +38,7 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         fwd_large_allocs: None,
         bwd_large_allocs: None,
         replay_large_allocs: None,
+        loss_transient_bytes: None,
     }
 }
 

@@ -318,3 +318,25 @@ fn the_copies_queued_behind_a_cancelled_swap_out_move_up() {
     assert!((o.copy_time - 12.0).abs() < 1e-9);
     assert_eq!(o.swap_stall, 0.0);
 }
+
+#[test]
+fn the_loss_backward_comes_before_the_last_stages_replay() {
+    // Chain of 10/20/30-byte activations, the last stage's transient 5 bytes and the loss's
+    // backward 40 bytes: in all-retain the loss runs beside every activation (60 + 40); in
+    // all-recompute, beside none (the replay of the last segment comes after it, with the
+    // stage's own 5 bytes), so it does not add to the replay's peak.
+    let mut p = chain(&[1.0, 1.0, 1.0], &[10, 20, 30], 100, 1.0);
+    p.units[2].bwd_transient_bytes = 5;
+    p.units[2].loss_transient_bytes = Some(40);
+    let g = p.graph().unwrap();
+    assert_eq!(eval(&p, &[Retain; 3], u64::MAX).peak_bytes, 100 + 60 + 40);
+    assert_eq!(unplanned_peak(&g), 100 + 60 + 40);
+    assert!(lower_bound(&g).0 >= 100 + 40);
+    let recompute = eval(&p, &[Recompute; 3], u64::MAX);
+    let mut merged = p.clone(); // the loss counted in the last stage's transient, as before
+    merged.units[2].bwd_transient_bytes = 40;
+    merged.units[2].loss_transient_bytes = None;
+    let before = eval(&merged, &[Recompute; 3], u64::MAX);
+    assert!(recompute.peak_bytes < before.peak_bytes, "{} {}", recompute.peak_bytes, before.peak_bytes);
+    assert!(recompute.peak_bytes >= 100 + 40);
+}
