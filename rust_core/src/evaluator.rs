@@ -1197,6 +1197,15 @@ fn simulate<E: MemoryEvents>(
         for k in 0..schedule.at_bwd[i].len() {
             sim.prefetch_state(Moved::OptimizerState, schedule.at_bwd[i][k]);
         }
+        // The loss's backward runs before the stage's first node, so before the prefetches the
+        // executor issues there and before the stage's replays.
+        if g.loss_transient[i] > 0 {
+            sim.make_room(g.loss_transient[i]);
+            if E::ENABLED {
+                sim.ev.alloc(What::LossWork(i), g.loss_transient[i], sim.t);
+                sim.ev.free(What::LossWork(i), sim.t);
+            }
+        }
         // Issue prefetches whose need is within the lookahead window, most urgent first, while
         // they fit; the one needed by this very stage is issued regardless (in `ensure`).
         while next < g.need_order.len() {
@@ -1218,15 +1227,6 @@ fn simulate<E: MemoryEvents>(
             }
             sim.issue_prefetch(u, i);
             next += 1;
-        }
-        // The loss's backward runs before the stage's first node: before its replays, beside what
-        // it has prefetched.
-        if g.loss_transient[i] > 0 {
-            sim.make_room(g.loss_transient[i]);
-            if E::ENABLED {
-                sim.ev.alloc(What::LossWork(i), g.loss_transient[i], sim.t);
-                sim.ev.free(What::LossWork(i), sim.t);
-            }
         }
         for k in 0..g.needs[i].len() {
             let u = g.needs[i][k];

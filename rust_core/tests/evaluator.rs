@@ -340,3 +340,16 @@ fn the_loss_backward_comes_before_the_last_stages_replay() {
     assert!(recompute.peak_bytes < before.peak_bytes, "{} {}", recompute.peak_bytes, before.peak_bytes);
     assert!(recompute.peak_bytes >= 100 + 40);
 }
+
+#[test]
+fn the_loss_backward_comes_before_the_first_stages_prefetches() {
+    // Unit 0 swapped out before the backward (a fast link, its copy issued after its last reader,
+    // unit 1); the first backward stage prefetches it (needed by B1, within the lookahead), but
+    // the loss's backward (40 bytes) runs before that: it lies on the constant memory and units
+    // 1 and 2 only.
+    let mut p = chain(&[1.0, 1.0, 1.0], &[10, 20, 30], 100, 1000.0);
+    p.units[2].loss_transient_bytes = Some(40);
+    let o = eval(&p, &[Swap, Retain, Retain], u64::MAX);
+    assert_eq!(o.prefetch.len(), 1);
+    assert_eq!(o.peak_bytes, 100 + 20 + 30 + 40);
+}
