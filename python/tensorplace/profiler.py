@@ -47,9 +47,9 @@ The timeline of a step is cut into stages, the cost model's F0..F(n-1), B(n-1)..
   walked from the loss and every such node gets a pre-hook; unit i's window runs from the first
   of its nodes starting to the first node of another unit starting. The loss's backward (from
   the backward call to the first window) is a region of its own, before the first window; its
-  peak is that unit's `loss_transient_bytes`. AccumulateGrad nodes (no sequence number) belong to
-  the window they run in. The autograd engine runs ready nodes in decreasing sequence number, so the windows come in
-  the order B(n-1)..B0. A unit with no backward node (an Identity, a unit on a path without
+  peak is that unit's `loss_transient_bytes`. AccumulateGrad nodes (no sequence number) belong
+  to the window they run in. The autograd engine runs ready nodes in decreasing sequence number,
+  so the windows come in the order B(n-1)..B0. A unit with no backward node (an Identity, a unit on a path without
   gradient) gets an empty window: time 0, transient 0.
   (Module full-backward hooks are not used: they wrap inputs and outputs in a custom Function,
   and `ReLU(inplace=True)` after BatchNorm then fails with "Output 0 of BackwardHookFunction is
@@ -85,9 +85,8 @@ Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
   gets no gradient in the step (frozen, or in a module the forward does not call) to none.
 - fwd_transient_bytes / bwd_transient_bytes: the measured peak of the stage minus what the cost
   model's all-retain walk (docs/cost-model.md) already counts at that stage, never negative;
-  loss_transient_bytes the same for the loss's backward (the count before the stage's
-  gradients). So
-  the evaluator's all-retain plan predicts exactly the measured per-stage peaks wherever the
+  loss_transient_bytes the same for the loss's backward (against the count before the stage's
+  gradients). So the evaluator's all-retain plan predicts exactly the measured per-stage peaks wherever the
   model counts no more than is really there, and the measured whole-step peak with it
   (`simulate_all_retain` is that walk, in Python, for checks). Known overcount: an in-place
   unit (`ReLU(inplace=True)` after BatchNorm) owns, as activation, the storage its producer
@@ -491,9 +490,9 @@ def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
                  allocs: Optional[Dict[Tuple[str, int], List[int]]] = None) -> Tuple[Dict[Tuple[str, int], int], int]:
     """Peak of the running allocation sum (relative to the step's start) per stage, and over the
     whole step. Stage keys: ("fwd", i) and ("bwd", i), and ("loss", i) for the region between the
-    backward call and the first backward window, unit i's (the loss's backward; with the loss's
-    forward when the step's start marker comes before it). ``allocs``, if given, is filled with
-    each stage's allocation sizes in order (the loss region's are left out)."""
+    backward call and the first backward window, unit i's (the loss's backward). ``allocs``, if
+    given, is filled with each stage's allocation sizes in order (the loss region's are left
+    out)."""
     level = 0
     overall = 0
     peaks: Dict[Tuple[str, int], int] = {}

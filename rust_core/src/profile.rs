@@ -144,8 +144,8 @@ pub struct Unit {
     pub replay_large_allocs: Option<Vec<u64>>,
     /// Peak of the loss's backward (from the backward call to this unit's first backward node:
     /// the first backward stage's unit), beyond what the cost model counts before the stage's
-    /// gradients; it runs before the stage's prefetches wait and before its replays. Absent: 0
-    /// (profiles that count it in `bwd_transient_bytes`).
+    /// gradients; it runs before the stage's prefetches and replays. Absent: 0 (profiles that
+    /// count it in `bwd_transient_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_transient_bytes: Option<i64>,
 }
