@@ -86,8 +86,8 @@ Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
 - fwd_transient_bytes / bwd_transient_bytes: the measured peak of the stage minus what the cost
   model's all-retain walk (docs/cost-model.md) already counts at that stage, never negative;
   loss_transient_bytes the same for the loss's backward (against the count before the stage's
-  gradients). So the evaluator's all-retain plan predicts exactly the measured per-stage peaks wherever the
-  model counts no more than is really there, and the measured whole-step peak with it
+  gradients). So the evaluator's all-retain plan predicts exactly the measured per-stage peaks
+  wherever the model counts no more than is really there, and the measured whole-step peak with it
   (`simulate_all_retain` is that walk, in Python, for checks). Known overcount: an in-place
   unit (`ReLU(inplace=True)` after BatchNorm) owns, as activation, the storage its producer
   reports as unsaved output; at the in-place unit's forward stage the model counts that storage
