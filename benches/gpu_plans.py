@@ -29,8 +29,6 @@ import tensorplace as tp
 from tensorplace import peers
 from tensorplace.bench import common
 
-MiB = 2**20
-
 
 def emit(out: str, row: Dict[str, Any]) -> None:
     row = {"time": time.strftime("%H:%M:%S"), **row}
@@ -141,13 +139,13 @@ def main() -> int:
     if a.reserved is not None:
         cases.append(("pso-reserved", a.reserved, "pso", {"budget_kind": "reserved", **search}))
     else:
+        peak = int(probe.predicted["peak_bytes"])
         for frac in a.fractions:
-            peak = int(probe.predicted["peak_bytes"])
             budget = int(peak - frac * (peak - common.fixed_bytes(prof)))
             for m in a.methods:
-                if m in ("swap-all", "recompute-all") and frac != a.fractions[0]:
-                    continue  # the same plan at any budget
-                fixed = m in ("swap-all", "recompute-all", "retain", "checkpoint-blocks")
+                fixed = m in ("swap-all", "recompute-all", "retain", "checkpoint-blocks")  # any budget: one plan
+                if fixed and frac != a.fractions[0]:
+                    continue
                 cases.append((m if fixed else f"{m}@{frac}", 2**50 if fixed else budget, m, {} if fixed else search))
     for name, budget, method, kw in cases:
         row: Dict[str, Any] = {**tag, "row": name, "budget_bytes": budget}
