@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-__all__ = ["PlanMismatchError", "StepAbortedError", "ReplayError", "StepStats"]
+__all__ = ["CompiledPathError", "PlanMismatchError", "StepAbortedError", "ReplayError", "StepStats"]
+
+
+class CompiledPathError(RuntimeError):
+    """``torch.compile`` of a module that only runs eagerly (``tensorplace.run``): its
+    saved-tensor hooks and per-step Python cannot be traced."""
 
 
 class PlanMismatchError(RuntimeError):

@@ -87,6 +87,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .compile_guard import refuse_compile
 from .errors import PlanMismatchError, ReplayError, StepAbortedError, StepStats
 from .learn import SWAP, _PlanTracker, _Table
 from .plan_io import (ACTIONS, PLAN_VERSION, PlanLike, _action_name, plan_mapping, read_plan, read_segment_starts,
@@ -443,6 +444,7 @@ class ExecutorModule(nn.Module):
         return self.executor.last_stats
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_compile(f"{type(self).__name__} (tensorplace.run())")
         if not self.model.training or not torch.is_grad_enabled():
             if self.executor.swapper is not None:
                 self.executor.swapper.materialize()  # parameters kept on the host come back first

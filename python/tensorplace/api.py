@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 from torch import nn
 
+from cuda_exec.compile_guard import refuse_compile
 from cuda_exec.delta_policy import DeltaModule
 from cuda_exec.executor import PlannedModule
 from cuda_exec.units import discover_units
@@ -328,6 +329,7 @@ class PlannedTraining(PlannedModule):
         return self.sub_batch is not None and first is not None and first.shape[0] == self.sub_batch
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_compile("tensorplace.run()")
         if self.model.training and torch.is_grad_enabled():
             relation = "same" if self._is_sub_batch(args) else self.check_inputs(args)
             self.memory_check.at_step_start(args)

@@ -1,0 +1,188 @@
+"""The compiled engine (python/tensorplace/compiled.py): a plan run through torch's selective
+checkpointing, eagerly (bitwise equal to the unplanned step) and under torch.compile; and
+torch.compile of the eager executor refused with an error that names the compiled engine."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tensorplace as tp
+from tensorplace.compiled import compiled_offload_supported, eager_saves, find_regions, _OpRecord
+from tensorplace.models import TinyGPT
+
+
+def _gpt(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=64, dim=32, heads=4, layers=3, block=16, dropout=dropout)
+
+
+def _gpt_input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, 64, (2, 16))
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        y += x  # an in-place op on a value the block computed (as torchvision's ResNet blocks)
+        return self.relu(y)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*[_Block(8) for _ in range(3)])
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _steps(module: nn.Module, params_of: nn.Module, x: torch.Tensor, steps: int = 2):
+    """Losses and gradients of `steps` training steps (SGD between them, so later steps see
+    changed weights), and the final parameters and buffers."""
+    opt = torch.optim.SGD(params_of.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(module(x))
+        loss.backward()
+        out.append((loss.detach().clone(), [p.grad.clone() for p in params_of.parameters()]))
+        opt.step()
+    state = [t.detach().clone() for t in list(params_of.parameters()) + list(params_of.buffers())]
+    return out, state
+
+
+def _assert_bitwise(a, b) -> None:
+    (steps_a, state_a), (steps_b, state_b) = a, b
+    for (la, ga), (lb, gb) in zip(steps_a, steps_b):
+        assert torch.equal(la, lb)
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+    assert all(torch.equal(x, y) for x, y in zip(state_a, state_b))
+
+
+def _plan(model: nn.Module, x: torch.Tensor, method: str) -> tp.Plan:
+    return tp.plan(copy.deepcopy(model), x, budget=1 << 40, loss_fn=_loss, method=method, repeats=1)
+
+
+def test_find_regions_takes_the_repeated_blocks():
+    assert find_regions(_gpt()) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert find_regions(_Net()) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+@pytest.mark.parametrize("method", ["recompute-all", "checkpoint-blocks"])
+def test_eager_runs_train_bitwise_equal_to_the_unplanned_step(method):
+    """GPT with dropout (random ops saved), and a conv net with BatchNorm (its running statistics
+    must be updated once) and an in-place add on a block's own value: three steps each, the later
+    ones under the learned corrections."""
+    for make, x in ((lambda: _gpt(dropout=0.1), _gpt_input()), (_Net, torch.randn(2, 3, 8, 8))):
+        reference = make()
+        torch.manual_seed(5)
+        want = _steps(reference, reference, x, steps=3)
+        model = make()
+        plan = _plan(model, x, method)
+        assert plan.counts()["recompute"] > 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # units outside the blocks run as retained
+            wrapper = tp.compiled(model, plan)
+        try:
+            torch.manual_seed(5)
+            got = _steps(wrapper, model, x, steps=3)
+        finally:
+            wrapper.close()
+        _assert_bitwise(want, got)
+        # the regions were checkpointed with a plan: some op of each is recomputed after the first call
+        assert wrapper._tables and any(not all(t) for t in wrapper._tables.values())
+        # close() gives the model back its own forward
+        assert all("forward" not in m.__dict__ for _, m in model.named_modules())
+
+
+def test_eager_saves_keeps_an_in_place_group_and_outside_writes():
+    # op 0 makes storage 10; op 1 modifies it in place; op 2 reads it; op 3 writes storage 99 (from
+    # outside the region, e.g. BatchNorm's running mean)
+    ops = [_OpRecord(None, [1], [], [10]), _OpRecord(None, [10], [10], [10]), _OpRecord(None, [10], [], [11]),
+           _OpRecord(None, [11, 99], [99], [12])]
+    # the plan recomputes everything but op 1: op 0 joins op 1's saved group; op 3 writes outside
+    assert eager_saves(ops, [False, True, False, False]) == [True, True, False, True]
+    # a saved producer whose value a reader reads before the last in-place write: the reader is saved
+    ops = [_OpRecord(None, [1], [], [10]), _OpRecord(None, [10], [], [11]), _OpRecord(None, [10], [10], [10])]
+    assert eager_saves(ops, [True, False, False]) == [True, True, True]
+
+
+def test_swaps_run_as_retained_with_a_warning_where_torch_has_no_compiled_offload():
+    model = _gpt()
+    x = _gpt_input()
+    plan = _plan(model, x, "swap-all")
+    if compiled_offload_supported():
+        pytest.skip("this torch lowers CPU offload in its compiled path")
+    with pytest.warns(RuntimeWarning, match="swapped units run as retained"):
+        wrapper = tp.compiled(model, plan)
+    try:
+        assert wrapper.swaps_as_retain == [u for u, a in zip(plan.units, plan.actions) if a == "swap"]
+        assert set(wrapper.actions) == {"retain"}
+    finally:
+        wrapper.close()
+
+
+def test_a_plan_of_another_model_is_refused():
+    plan = _plan(_gpt(), _gpt_input(), "recompute-all")
+    with pytest.raises(tp.PlannerError, match="another model"):
+        tp.compiled(_Net(), plan)
+
+
+def test_torch_compile_of_the_eager_executor_names_the_compiled_engine():
+    model = _gpt()
+    x = _gpt_input()
+    plan = _plan(model, x, "recompute-all")
+    reference = copy.deepcopy(model)
+    run = tp.run(model, plan)
+    try:
+        with pytest.raises(tp.CompiledPathError, match=r"tensorplace\.compiled\(model, plan\)"):
+            _loss(torch.compile(run)(x)).backward()
+        torch._dynamo.reset()
+        # nothing was lost: the same module trains eagerly, equal to the unplanned step
+        _assert_bitwise(_steps(reference, reference, x), _steps(run, model, x))
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_wrapper_trains_as_the_compiled_unplanned_step():
+    """Compiled: the plan's recomputations are torch's partitioner's, so values agree with the
+    compiled unplanned step within float tolerance (fusion may reorder arithmetic)."""
+    model = _gpt()
+    x = _gpt_input()
+    plan = _plan(model, x, "recompute-all")
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    want, want_state = _steps(torch.compile(reference), reference, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, plan)
+    try:
+        torch._dynamo.reset()
+        got, got_state = _steps(torch.compile(wrapper), model, x)
+    finally:
+        wrapper.close()
+        torch._dynamo.reset()
+    for (la, ga), (lb, gb) in zip(want, got):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(want_state, got_state):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
