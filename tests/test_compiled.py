@@ -186,3 +186,30 @@ def test_torch_compile_of_the_wrapper_trains_as_the_compiled_unplanned_step():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for a, b in zip(want_state, got_state):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_plan_without_swaps_for_the_compiled_engine():
+    """plan(..., swaps=False): PSO plans with retain and recompute only, which the compiled engine
+    runs as planned inside its regions (no swap-as-retain warning), bitwise equal eagerly."""
+    model = _gpt()
+    x = _gpt_input()
+    retained = _plan(model, x, "retain")
+    lb, up = tp.lower_bound(retained.profile), retained.predicted["peak_bytes"]
+    plan = tp.plan(copy.deepcopy(model), x, budget=int(lb + 0.6 * (up - lb)), loss_fn=_loss, swaps=False, repeats=1,
+                   particles=20, iterations=5)
+    assert plan.counts()["swap"] == 0 and plan.counts()["recompute"] > 0
+    assert plan.settings["swaps"] is False
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        inside = [u for u, a in zip(plan.units, plan.actions) if a == "recompute" and u.startswith("blocks.")]
+        if len(inside) < plan.counts()["recompute"]:
+            warnings.simplefilter("ignore", RuntimeWarning)  # recomputed units outside the blocks run retained
+        wrapper = tp.compiled(model, plan)
+    try:
+        assert wrapper.swaps_as_retain == []
+        _assert_bitwise(_steps(reference, reference, x), _steps(wrapper, model, x))
+    finally:
+        wrapper.close()
+    with pytest.raises(tp.PlannerError, match="swaps=False applies to method='pso'"):
+        tp.plan_profile(plan.profile, plan.budget_bytes, "swap-all", swaps=False)

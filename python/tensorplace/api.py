@@ -298,7 +298,7 @@ class PlannedTraining(PlannedModule):
             given = data.get("settings") or {}
             settings = {key: v for key, v in given.items() if key in (
                 "particles", "iterations", "seed", "restarts", "relinks", "mutation", "patience", "seed_extremes",
-                "time_limit", "mip_gap")}
+                "time_limit", "mip_gap", "swaps")}
             if "prefetch_lookahead" in (given.get("eval") or {}):
                 settings["prefetch_lookahead"] = int(given["eval"]["prefetch_lookahead"])
             found = plan_profile(prof, int(data["budget_bytes"]), str(data["method"]),

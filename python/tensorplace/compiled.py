@@ -425,8 +425,8 @@ class CompiledPlan(nn.Module):
             warnings.warn(
                 f"tensorplace.compiled: this torch ({torch.__version__}) does not lower CPU offload in its compiled "
                 f"path, so the plan's {len(self.swaps_as_retain)} swapped units run as retained (more memory than the "
-                "plan predicts); for this engine plan with retain and recompute only (tensorplace.plan(..., "
-                "method=\"milp-recompute\") or \"checkpoint-blocks\")",
+                "plan predicts); for this engine plan with retain and recompute only: tensorplace.plan(..., "
+                "swaps=False)",
                 RuntimeWarning, stacklevel=2)
         if self.outside_regions:
             warnings.warn(

@@ -260,6 +260,7 @@ def plan_profile(
     restarts: int = 3,
     relinks: int = 6,
     block_wise: Optional[bool] = None,
+    swaps: bool = True,
 ) -> Plan:
     """Search a plan for `profile` that fits `budget` (the whole step's device memory).
 
@@ -298,6 +299,10 @@ def plan_profile(
     `iterations`; ``convergence["phases"]`` lists each phase's time, evaluations and simulated
     stages.
 
+    `swaps=False` (method "pso"): plans retain and recompute only, for an engine that cannot swap
+    (``tensorplace.compiled``, docs/compiled.md): the swarm, its extensions and its seeds never
+    swap, and an infeasible budget names the smallest budget known for such plans.
+
     `budget_kind="reserved"`: the budget limits the memory PyTorch's CUDA caching allocator
     reserves, simulated over the plan's allocation sequence under `alloc_conf` (a
     ``PYTORCH_CUDA_ALLOC_CONF`` string; default, the one recorded in the profile's environment).
@@ -320,6 +325,10 @@ def plan_profile(
             f"choose_starts applies to the MILP methods ({', '.join(MILP_METHODS)}), not {method!r}; "
             "use method='exhaustive-segments' on tiny profiles"
         )
+    if not swaps and method != "pso":
+        raise _core.PlannerError(
+            f"swaps=False applies to method='pso'; {method!r} chooses its own actions (the methods that never swap: "
+            "'recompute-all', 'checkpoint-blocks', 'sqrt', 'milp-recompute')")
     text = profile_json(profile)
     if method in MILP_METHODS:
         if budget_kind != "allocated":
@@ -364,6 +373,7 @@ def plan_profile(
         restarts=restarts,
         relinks=relinks,
         block_wise=block_wise,
+        swaps=swaps,
     )
     return _with_fixed_memory(json.loads(data), profile)
 

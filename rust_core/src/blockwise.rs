@@ -128,7 +128,10 @@ pub fn search(
     on_iteration: &mut dyn FnMut(usize, &Score),
 ) -> (Vec<Action>, Score) {
     let classes: Vec<Vec<(usize, usize)>> = settings.blocks.iter().filter(|c| c.len() >= 2).cloned().collect();
-    let spaces = levels(g.n, &classes);
+    let mut spaces = levels(g.n, &classes);
+    if !settings.swaps {
+        spaces = spaces.into_iter().map(Space::without_swaps).collect();
+    }
     let (mut best, _) = pipeline(g, budget, opts, settings, pool, &spaces[0], &settings.seeds, trace, "blocks:", on_iteration);
     // The swarm starts from the seeds (the heuristics' plans, the recipes) made plans of the tied
     // space; the seeds themselves are candidates too, so the result is never worse than any.

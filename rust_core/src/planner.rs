@@ -4,7 +4,7 @@
 use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{evaluate_with_swaps, EvalOptions, Scratch, StateSwaps};
-use crate::peak::{lower_bound, lower_bound_with_state_swaps, smallest_known_budget, smallest_known_budget_with_swaps};
+use crate::peak::{lower_bound, lower_bound_with_state_swaps, smallest_known_budget, smallest_known_budget_with_swaps, unplanned_peak};
 use crate::plan::Plan;
 use crate::profile::Profile;
 use crate::pso::{self, PsoSettings, Trace};
@@ -66,7 +66,11 @@ pub fn make_plan(
     let swapping = method == "tensile" && crate::methods::tensile::swappable(&g);
     let (lb, _) = if swapping { lower_bound_with_state_swaps(&g) } else { lower_bound(&g) };
     if budget < lb {
-        let smallest = smallest_budget(&g, &settings.eval, swapping);
+        let smallest = if method == "pso" && !settings.pso.swaps {
+            smallest_budget_without_swaps(profile, &g, &settings.eval)
+        } else {
+            smallest_budget(&g, &settings.eval, swapping)
+        };
         return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest.max(lb) });
     }
     if method == "tensile" {
@@ -85,7 +89,7 @@ pub fn make_plan(
             if s.seed_heuristics {
                 for h in HEURISTICS {
                     if let Some(a) = heuristic_plan(h, profile, &g, budget, &settings.eval) {
-                        if !s.seeds.contains(&a) {
+                        if !s.seeds.contains(&a) && (s.swaps || !a.contains(&Action::Swap)) {
                             s.seeds.push(a);
                             seeded.push(h);
                         }
@@ -105,6 +109,7 @@ pub fn make_plan(
                             "seed_heuristics": seeded, "polish": s.polish,
                             "restarts": s.restarts, "relinks": s.relinks,
                             "block_wise": s.block_wise, "block_wise_searched": crate::blockwise::block_wise(g.n, &s),
+                            "swaps": s.swaps,
                             "mutation": s.mutation, "patience": s.patience, "eval": eval_json});
             (r.actions, js, Some(trace_json(&r.trace)))
         }
@@ -164,6 +169,14 @@ fn smallest_budget(g: &crate::profile::Graph, eval: &EvalOptions, swapping: bool
     } else {
         smallest_known_budget(g, eval).0
     }
+}
+
+/// The smallest budget a plan without swaps is known to meet: the least of the all-retain,
+/// all-recompute and per-block checkpoint plans' smallest budgets.
+fn smallest_budget_without_swaps(profile: &Profile, g: &crate::profile::Graph, eval: &EvalOptions) -> u64 {
+    let mut plans = vec![vec![Action::Recompute; g.n]];
+    plans.extend(recipes::checkpoint_blocks(profile));
+    plans.iter().filter_map(|p| crate::peak::smallest_budget_of(g, p, eval)).fold(unplanned_peak(g), u64::min)
 }
 
 /// The budget check every method starts with: refuse a budget below the lower bound, naming the
@@ -244,7 +257,11 @@ fn finish(
     let outcome = evaluate_with_swaps(g, &actions, starts, swaps, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
         let swapping = swaps.any(g) || (method == "tensile" && crate::methods::tensile::swappable(g));
-        let smallest = smallest_budget(g, eval, swapping);
+        let smallest = if method_settings.get("swaps") == Some(&json!(false)) {
+            smallest_budget_without_swaps(profile, g, eval)
+        } else {
+            smallest_budget(g, eval, swapping)
+        };
         return Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest.max(lb), lower_bound: lb });
     }
     let mut plan = Plan::new(profile, budget, method, method_settings, actions, &outcome);

@@ -113,8 +113,9 @@ impl<'a> Polisher<'a> {
     pub(crate) fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions, pool: &'a rayon::ThreadPool, space: &'a Space) -> Self {
         let ctx = Context::new(g, budget, opts);
         let free_ctx = ctx.with_budget(u64::MAX);
-        let swappable =
-            (0..space.dims()).map(|k| space.group(k).iter().any(|&u| g.act[u] > 0 && g.first_need[u].is_some())).collect();
+        let swappable = (0..space.dims())
+            .map(|k| space.allows(Action::Swap) && space.group(k).iter().any(|&u| g.act[u] > 0 && g.first_need[u].is_some()))
+            .collect();
         Polisher {
             g,
             space,
@@ -227,7 +228,7 @@ impl<'a> Polisher<'a> {
             loop {
                 moves.clear();
                 for j in from..n {
-                    for a in Action::ALL {
+                    for &a in space.actions() {
                         if a != space.action(plan, j) {
                             moves.push(Move { first: (j, a), second: None });
                         }
@@ -259,8 +260,8 @@ impl<'a> Polisher<'a> {
                     }
                     let (oi, oj) = (space.action(plan, ri), space.action(plan, rj));
                     if !(oi == Action::Retain && oj == Action::Retain) {
-                        for ai in Action::ALL {
-                            for aj in Action::ALL {
+                        for &ai in space.actions() {
+                            for &aj in space.actions() {
                                 if ai != oi && aj != oj {
                                     moves.push(Move { first: (ri, ai), second: Some((rj, aj)) });
                                 }
@@ -335,7 +336,7 @@ impl<'a> Polisher<'a> {
         let mut moves = Vec::new();
         for k in 0..space.dims() {
             if !locked[k] {
-                for b in Action::ALL {
+                for &b in space.actions() {
                     if b != space.action(cur, k) {
                         moves.push(Move { first: (k, b), second: None });
                     }
@@ -389,7 +390,7 @@ impl<'a> Polisher<'a> {
         let n = space.dims();
         let mut moves = Vec::new();
         for j in 0..n {
-            for a in Action::ALL {
+            for &a in space.actions() {
                 if a != space.action(plan, j) {
                     moves.push(Move { first: (j, a), second: None });
                 }

@@ -77,6 +77,9 @@ pub struct PsoSettings {
     /// default) when it has more than [`crate::blockwise::FULL_SEARCH_UNITS`] units, Some(true)
     /// always, Some(false) never.
     pub block_wise: Option<bool>,
+    /// Plans may swap (false: retain and recompute only, for an engine that cannot swap; seeds
+    /// with swaps are then left out).
+    pub swaps: bool,
 }
 
 impl Default for PsoSettings {
@@ -98,6 +101,7 @@ impl Default for PsoSettings {
             relinks: 6,
             blocks: Vec::new(),
             block_wise: None,
+            swaps: true,
         }
     }
 }
@@ -145,7 +149,8 @@ fn particle_rng(seed: u64, particle: usize, iteration: u64) -> ChaCha8Rng {
 
 /// A random plan of `space` (one random action per dimension).
 fn random_plan(space: &Space, rng: &mut ChaCha8Rng) -> Vec<Action> {
-    let per_dim: Vec<Action> = (0..space.dims()).map(|_| Action::ALL[rng.gen_range(0..3)]).collect();
+    let acts = space.actions();
+    let per_dim: Vec<Action> = (0..space.dims()).map(|_| acts[rng.gen_range(0..acts.len())]).collect();
     space.expand(&per_dim)
 }
 
@@ -261,6 +266,9 @@ pub fn search(
             g.n
         )));
     }
+    if !settings.swaps && settings.seeds.iter().any(|s| s.contains(&Action::Swap)) {
+        return Err(CoreError::InvalidSetting("a seed plan swaps, but the search may not (swaps = false)".into()));
+    }
     crate::blockwise::check_blocks(g.n, &settings.blocks)?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(settings.threads)
@@ -270,7 +278,7 @@ pub fn search(
     let best = if crate::blockwise::block_wise(g.n, settings) {
         crate::blockwise::search(g, budget, opts, settings, &pool, &mut trace, &mut on_iteration)
     } else {
-        let space = Space::full(g.n);
+        let space = if settings.swaps { Space::full(g.n) } else { Space::full(g.n).without_swaps() };
         pipeline(g, budget, opts, settings, &pool, &space, &settings.seeds, &mut trace, "", &mut on_iteration).0
     };
     let (actions, score) = best;
@@ -415,8 +423,11 @@ impl Swarm {
         let extremes = if settings.seed_extremes { 3 } else { 0 };
         let mut positions: Vec<Vec<Action>> = (0..m)
             .map(|i| {
-                if i < extremes {
+                if i < extremes && space.allows(Action::ALL[i]) {
                     vec![Action::ALL[i]; n]
+                } else if i < extremes {
+                    // the all-swap particle of a space without swaps: a random one
+                    random_plan(space, &mut particle_rng(settings.seed, i, u64::MAX))
                 } else if i < extremes + settings.seeds.len() {
                     settings.seeds[i - extremes].clone()
                 } else {
@@ -475,7 +486,8 @@ impl Swarm {
                                 let mut changed = false;
                                 for k in 0..space.dims() {
                                     if rng.gen::<f64>() < settings.mutation {
-                                        space.set(cur, k, Action::ALL[rng.gen_range(0..3)]);
+                                        let acts = space.actions();
+                                        space.set(cur, k, acts[rng.gen_range(0..acts.len())]);
                                         changed = true;
                                     }
                                 }

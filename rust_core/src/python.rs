@@ -328,7 +328,7 @@ fn smallest_known_budget(profile_json: &str, prefetch_lookahead: usize, state_sw
 #[pyo3(signature = (profile_json, budget, method="pso", particles=500, iterations=500, seed=0, threads=0,
                     seed_extremes=true, mutation=0.0, patience=None, prefetch_lookahead=2, seed_heuristics=true,
                     seed_plans=None, budget_kind="allocated", alloc_conf=None, reserved_rounds=crate::reserved::DEFAULT_ROUNDS,
-                    restarts=3, relinks=6, block_wise=None))]
+                    restarts=3, relinks=6, block_wise=None, swaps=true))]
 #[allow(clippy::too_many_arguments)]
 fn make_plan(
     py: Python<'_>,
@@ -351,6 +351,7 @@ fn make_plan(
     restarts: usize,
     relinks: usize,
     block_wise: Option<bool>,
+    swaps: bool,
 ) -> PyResult<String> {
     let kind = BudgetKind::from_name(budget_kind).map_err(to_py)?;
     let p = parse_profile(profile_json)?;
@@ -375,6 +376,7 @@ fn make_plan(
             restarts,
             relinks,
             block_wise,
+            swaps,
             ..PsoSettings::default()
         },
         alloc_conf,

@@ -190,6 +190,9 @@ pub fn make_plan_reserved(
     let mut smallest = tried.iter().filter_map(|t| t.plan.map(|(r, _)| r)).min();
     let mut fallback: Option<Plan> = None;
     for (name, action) in [("swap-all", Action::Swap), ("recompute-all", Action::Recompute)] {
+        if action == Action::Swap && !settings.pso.swaps {
+            continue;
+        }
         let actions = vec![action; g.n];
         let Some(b) = smallest_budget_of(&g, &actions, &settings.eval) else { continue };
         let mut p = plan_from_actions(profile, b, name, json!({"fallback_for": method}), actions, &g.block_start, &settings.eval)?;

@@ -5,8 +5,14 @@
 //! unties the blocks step by step. A plan of a space is a full plan (one action per unit) whose
 //! units of each group share an action; the swarm, the polish and path relinking change one
 //! dimension (a whole group) at a time.
+//!
+//! A space also says which actions a dimension may take: all three, or retain and recompute
+//! only (plans for an engine that cannot swap, such as torch's compiled selective checkpointing).
 
 use crate::action::Action;
+
+/// The actions of a space without swaps.
+const NO_SWAP: [Action; 2] = [Action::Retain, Action::Recompute];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Space {
@@ -14,12 +20,14 @@ pub struct Space {
     /// The units of dimension k: `units[offsets[k]..offsets[k + 1]]`, ascending.
     units: Vec<usize>,
     offsets: Vec<usize>,
+    /// The actions a dimension may take.
+    actions: &'static [Action],
 }
 
 impl Space {
     /// One dimension per unit.
     pub fn full(n: usize) -> Space {
-        Space { n, units: (0..n).collect(), offsets: (0..=n).collect() }
+        Space { n, units: (0..n).collect(), offsets: (0..=n).collect(), actions: &Action::ALL }
     }
 
     /// A space from groups that cover every unit of `n` once; dimensions are ordered by their
@@ -42,7 +50,22 @@ impl Space {
             units.extend(g);
             offsets.push(units.len());
         }
-        Space { n, units, offsets }
+        Space { n, units, offsets, actions: &Action::ALL }
+    }
+
+    /// The same dimensions, with retain and recompute only.
+    pub fn without_swaps(mut self) -> Space {
+        self.actions = &NO_SWAP;
+        self
+    }
+
+    /// The actions a dimension may take (in `Action::ALL` order).
+    pub fn actions(&self) -> &'static [Action] {
+        self.actions
+    }
+
+    pub fn allows(&self, a: Action) -> bool {
+        self.actions.contains(&a)
     }
 
     pub fn units(&self) -> usize {

@@ -207,3 +207,40 @@ fn restarts_and_relinking_do_not_depend_on_the_thread_count() {
     assert!(one.predicted.step_time <= restarts_only.predicted.step_time);
 }
 
+
+#[test]
+fn a_search_without_swaps_never_swaps_and_names_the_smallest_budget_of_such_plans() {
+    // resnet50 at 0.3: the default search swaps (its plan is faster with swaps); without swaps
+    // neither the swarm, its seeds (the heuristics' plans swap), the polish, restarts nor
+    // relinking may, on the full space and block-wise.
+    let p = bundled("resnet50");
+    let budget = budget_at(&p, 0.3);
+    let small = |swaps: bool, block_wise: Option<bool>| PlanSettings {
+        pso: PsoSettings { particles: 30, iterations: 10, swaps, block_wise, ..Default::default() },
+        ..Default::default()
+    };
+    let with = make_plan(&p, budget, "pso", &small(true, None), |_, _| {}).unwrap();
+    assert!(with.actions.contains(&Action::Swap), "the default search swaps here");
+    for block_wise in [Some(false), Some(true)] {
+        let without = make_plan(&p, budget, "pso", &small(false, block_wise), |_, _| {}).unwrap();
+        assert!(!without.actions.contains(&Action::Swap), "block_wise {block_wise:?}");
+        assert!(without.actions.contains(&Action::Recompute));
+        assert!(without.predicted.step_time >= with.predicted.step_time * (1.0 - 1e-9));
+        assert_eq!(without.settings["swaps"], false);
+    }
+    // A budget only swaps meet: the error names the smallest budget of a known plan without
+    // swaps, which that plan meets, and which is above what swapping needs.
+    let (swap_smallest, _) = tensorplace_core::peak::smallest_known_budget(&p.graph().unwrap(), &EvalOptions::default());
+    match make_plan(&p, swap_smallest, "pso", &small(false, None), |_, _| {}) {
+        Err(CoreError::NoFeasiblePlan { smallest_known, .. }) => {
+            assert!(smallest_known > swap_smallest);
+            let fits = make_plan(&p, smallest_known, "pso", &small(false, None), |_, _| {}).unwrap();
+            assert!(!fits.actions.contains(&Action::Swap) && fits.predicted.peak_bytes <= smallest_known);
+        }
+        other => panic!("{:?}", other.map(|p| p.actions)),
+    }
+    // Seeds that swap are refused rather than searched from.
+    let g = p.graph().unwrap();
+    let seeded = PsoSettings { swaps: false, seeds: vec![vec![Action::Swap; g.n]], ..settings(4, 2, 0, 1) };
+    assert!(matches!(search(&g, budget, &EvalOptions::default(), &seeded, |_, _| {}), Err(CoreError::InvalidSetting(_))));
+}
