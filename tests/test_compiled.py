@@ -1,4 +1,4 @@
-"""The compiled engine (python/tensorplace/compiled.py): a plan run through torch's selective
+"""The compiled engine (python/tensorplace/compiled_engine.py): a plan run through torch's selective
 checkpointing, eagerly (bitwise equal to the unplanned step) and under torch.compile; and
 torch.compile of the eager executor refused with an error that names the compiled engine."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import tensorplace as tp
-from tensorplace.compiled import compiled_offload_supported, eager_saves, find_regions, _OpRecord
+from tensorplace.compiled_engine import compiled_offload_supported, eager_saves, find_regions, _OpRecord
 from tensorplace.models import TinyGPT
 
 

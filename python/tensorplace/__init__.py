@@ -15,7 +15,7 @@ budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches.
 
 from . import allocator, examples
 from .accumulate import accumulate
-from .compiled import CompiledPathError, CompiledPlan, compiled
+from .compiled_engine import CompiledPathError, CompiledPlan, compiled
 from .api import plan, run
 from .unplanned_memory import UnplannedMemoryWarning
 from .runtime import DeltaRuntime, delta

@@ -324,7 +324,9 @@ class _RegionCall:
         self.last: Optional[int] = None
         self.occurrence: Dict[str, int] = {}
         self.prev_path: Optional[str] = None
-        self.count = 0
+        #: ops the policy was asked about in the forward, and in the backward's recompute (torch
+        #: up to 2.13 asks again there and needs the same answer; later versions keep the forward's)
+        self.count = [0, 0]
         self.table: Optional[List[bool]] = None
         self.funcs: List[Any] = []
         self.learning = False
@@ -357,8 +359,9 @@ class _RegionCall:
                 u = self.region.units[0]
             return self.engine.op_policy(u, func)
         # eager
-        i = self.count
-        self.count += 1
+        phase = 1 if getattr(ctx, "is_recompute", False) else 0
+        i = self.count[phase]
+        self.count[phase] += 1
         if self.learning or self.table is None:
             return P.MUST_SAVE
         if i >= len(self.table) or self.funcs[i] is not func:
