@@ -211,6 +211,12 @@ pub struct Scratch {
     replayed: Vec<bool>,
     /// Swap-outs in FIFO order: (completion time, item), item = unit | kind << KIND_SHIFT.
     queue: Vec<(f64, u32)>,
+    /// Per unit: its swap-out is queued (after its first forward reader, where the executor
+    /// queues it) but a later forward stage still reads its output, so its bytes cannot leave yet.
+    fwd_busy: Vec<bool>,
+    /// Activations' swap-outs whose copy completed while the forward still read them, in FIFO
+    /// order: they leave at the first release point after their last forward reader.
+    parked: Vec<u32>,
     /// Every copy of this run in issue order, with where its completion time is kept: a
     /// swap-out cancelled before its copy starts gives its queue time back to the copies queued
     /// after it (`Sim::refund`).
@@ -322,6 +328,9 @@ impl Scratch {
         self.replayed.clear();
         self.replayed.resize(n, false);
         self.queue.clear();
+        self.fwd_busy.clear();
+        self.fwd_busy.resize(n, false);
+        self.parked.clear();
         self.pending.clear();
         self.pending_of.clear();
         self.pending_of.resize(n, usize::MAX);
@@ -381,16 +390,51 @@ struct Sim<'a, E: MemoryEvents> {
 }
 
 impl<'a, E: MemoryEvents> Sim<'a, E> {
-    /// Release swap-outs whose copy has completed by now.
+    /// Release swap-outs whose copy has completed by now (and whose forward readers have run).
     fn release_completed(&mut self) {
+        self.release_parked();
         while self.head < self.s.queue.len() {
             let (end, u) = self.s.queue[self.head];
             if end > self.t {
                 break;
             }
             self.head += 1;
+            if self.park(u) {
+                continue;
+            }
             self.release(u);
         }
+    }
+
+    /// A completed swap-out of activations that a later forward stage still reads is parked: its
+    /// bytes stay until the forward is done with them (the executor frees a storage only when
+    /// both the copy and the forward have let go of it). True if `item` was parked.
+    fn park(&mut self, item: u32) -> bool {
+        if item >> KIND_SHIFT == 0 && self.s.fwd_busy[item as usize] {
+            self.s.parked.push(item);
+            return true;
+        }
+        false
+    }
+
+    /// Release the parked swap-outs whose last forward reader has run, in FIFO order; true if one
+    /// still held device bytes.
+    fn release_parked(&mut self) -> bool {
+        let mut any = false;
+        let mut k = 0;
+        while k < self.s.parked.len() {
+            let item = self.s.parked[k];
+            if self.s.fwd_busy[item as usize] {
+                k += 1;
+                continue;
+            }
+            self.s.parked.remove(k);
+            if self.queued(item) {
+                any = true;
+                self.release(item);
+            }
+        }
+        any
     }
 
     /// A queued swap-out has completed: its bytes leave the device (unless it was cancelled).
@@ -489,10 +533,19 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     /// Wait (swap stall) for the next queued swap-out that still holds device bytes, and release
     /// it; false if none is left.
     fn wait_next_swap_out(&mut self) -> bool {
+        // Copies that completed while the forward still read them: no wait if it is done now.
+        if self.release_parked() {
+            return true;
+        }
         while self.head < self.s.queue.len() {
             let (end, item) = self.s.queue[self.head];
             self.head += 1;
             if !self.queued(item) {
+                continue;
+            }
+            if self.park(item) {
+                // Waiting for it frees nothing before its last forward reader; later copies end
+                // no earlier, so the clock moves when one of them is waited for.
                 continue;
             }
             if end > self.t {
@@ -719,11 +772,16 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         self.actions[u] == Action::Recompute && self.s.run_start[u] <= p
     }
 
-    fn issue_swap_out(&mut self, u: usize) {
+    /// Queue unit `u`'s swap-out at the end of forward stage `i`, its first forward reader: the
+    /// executor queues a saved storage at the end of the stage that saved it, and the reader that
+    /// saves a unit's output is usually its first. Until its last forward reader has run
+    /// (`fwd_busy`) its bytes stay, whenever the copy completes.
+    fn issue_swap_out(&mut self, u: usize, i: usize) {
         let (_, end) = self.copy(u, Moved::Activations, true, self.g.act[u], EndOf::SwapOut(self.s.queue.len()));
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
         self.s.host[u] = true;
+        self.s.fwd_busy[u] = self.g.last_fwd[u] > i;
     }
 
     fn issue_prefetch(&mut self, u: usize, at_stage: usize) {
@@ -1139,6 +1197,13 @@ fn simulate<E: MemoryEvents>(
         sim.mem += alloc;
         sim.s.resident[i] = true;
         sim.s.ready[i] = sim.t;
+        // Swapped units whose first forward reader this is: their copies are queued now, even if
+        // a later forward stage reads their output (their bytes stay until it has run).
+        for &u in &g.swap_outs_after_fwd[i] {
+            if actions[u] == Action::Swap && g.act[u] > 0 {
+                sim.issue_swap_out(u, i);
+            }
+        }
         for &u in &g.releases_after_fwd[i] {
             if !g.out_saved[u] {
                 sim.mem -= g.out[u];
@@ -1158,7 +1223,8 @@ fn simulate<E: MemoryEvents>(
                     sim.s.resident[u] = false;
                     sim.leave(u);
                 }
-                Action::Swap => sim.issue_swap_out(u),
+                // Queued after its first forward reader: from now on its bytes may leave.
+                Action::Swap => sim.s.fwd_busy[u] = false,
             }
         }
         if opts.sync_swap_out && sim.copy_free[0] > sim.t {
@@ -1401,6 +1467,8 @@ pub struct SimState {
     lingering: Vec<u64>,
     replayed: Vec<bool>,
     queue: Vec<(f64, u32)>,
+    fwd_busy: Vec<bool>,
+    parked: Vec<u32>,
     pending: Vec<PendingCopy>,
     pending_of: Vec<usize>,
 }
@@ -1431,6 +1499,8 @@ impl SimState {
         self.lingering.clone_from(&s.lingering);
         self.replayed.clone_from(&s.replayed);
         self.queue.clone_from(&s.queue);
+        self.fwd_busy.clone_from(&s.fwd_busy);
+        self.parked.clone_from(&s.parked);
         self.pending.clone_from(&s.pending);
         self.pending_of.clone_from(&s.pending_of);
     }
@@ -1459,6 +1529,8 @@ impl SimState {
         s.lingering.copy_from_slice(&self.lingering);
         s.replayed.copy_from_slice(&self.replayed);
         s.queue.clone_from(&self.queue);
+        s.fwd_busy.copy_from_slice(&self.fwd_busy);
+        s.parked.clone_from(&self.parked);
         s.pending.clone_from(&self.pending);
         s.pending_of.copy_from_slice(&self.pending_of);
     }

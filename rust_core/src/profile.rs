@@ -324,6 +324,10 @@ pub struct Graph {
     pub frees_after_bwd: Vec<Vec<usize>>,
     /// For each forward stage, the units whose last forward reader it is (including itself).
     pub releases_after_fwd: Vec<Vec<usize>>,
+    /// For each forward stage, the units whose first forward reader it is (the unit itself if
+    /// nobody reads its output): a swapped unit's copy is queued after it, where the executor
+    /// queues a storage that a reader saves (the end of the stage that saved it).
+    pub swap_outs_after_fwd: Vec<Vec<usize>>,
     /// Units with readers, in the order the backward pass first needs them.
     pub need_order: Vec<usize>,
     /// The profile has an optimizer step: the step ends with the optimizer stages.
@@ -655,10 +659,18 @@ impl Profile {
             })
             .collect();
         let mut last_fwd: Vec<usize> = (0..n).collect();
+        let mut first_fwd: Vec<Option<usize>> = vec![None; n];
         for (i, ins) in g_inputs.iter().enumerate() {
             for &p in ins {
                 last_fwd[p] = last_fwd[p].max(i);
+                if p < i {
+                    first_fwd[p] = Some(first_fwd[p].map_or(i, |f| f.min(i)));
+                }
             }
+        }
+        let mut swap_outs_after_fwd = vec![Vec::new(); n];
+        for (u, f) in first_fwd.iter().enumerate() {
+            swap_outs_after_fwd[f.unwrap_or(u)].push(u);
         }
         let mut first_need = vec![None; n];
         let mut last_use = vec![None; n];
@@ -811,6 +823,7 @@ impl Profile {
             needs,
             frees_after_bwd,
             releases_after_fwd,
+            swap_outs_after_fwd,
             need_order,
             has_optimizer,
             param,

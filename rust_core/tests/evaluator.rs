@@ -180,6 +180,39 @@ fn lingering_activations_leave_when_the_forward_lets_go_of_them() {
 }
 
 #[test]
+fn a_swap_out_is_queued_after_the_first_forward_reader_and_leaves_after_the_last() {
+    // Unit 0's output is read by unit 1 (which saves it: the executor queues its copy at the end
+    // of F1) and again by unit 3 (a residual add, say: the forward holds it until F3 ends). Its
+    // 1 s copy runs 2 s .. 3 s, so its bytes leave when F3 is done, at the start of F4, not when
+    // the copy completes (the forward still reads them in F3), nor only after a copy queued
+    // behind F3 (4 s .. 5 s, the start of the backward). Found on swin_t's all-swap plan
+    // (issue 18): the block's residual stream, saved by norm2 and added after the MLP.
+    let mut units: Vec<_> = (0..5)
+        .map(|i| {
+            let ins: Vec<i64> = match i {
+                0 => vec![],
+                3 => vec![0, 2],
+                _ => vec![i as i64 - 1],
+            };
+            unit(&format!("u{i}"), &ins, 1.0, 2.0, if i == 0 { 10 } else { 1 })
+        })
+        .collect();
+    units = wire(units);
+    let p = profile(units, 0, 10.0);
+    let o = eval(&p, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
+    let copy = o.copies.iter().find(|c| c.unit == 0 && c.to_host).expect("unit 0's swap-out");
+    assert_eq!((copy.start, copy.end), (2.0, 3.0), "{:?}", o.copies);
+    assert_eq!(stage_point(&o, Stage::Fwd(3)).mem_start, 10 + 1 + 1);
+    assert_eq!(stage_point(&o, Stage::Fwd(4)).mem_start, 1 + 1 + 1);
+    assert!(o.swap_deadlines.contains(&(Stage::Fwd(4), 0)), "{:?}", o.swap_deadlines);
+    // Under a budget that needs the room in F3, waiting for the copy frees nothing: the plan is
+    // over the budget there rather than counting bytes the forward still holds as gone.
+    let o = eval(&p, &[Swap, Retain, Retain, Retain, Retain], 12);
+    assert!(!o.feasible);
+    assert_eq!(stage_point(&o, Stage::Fwd(3)).peak, 10 + 1 + 1 + 1);
+}
+
+#[test]
 fn a_replay_is_charged_its_measured_transient_inside_the_stage_that_needs_it() {
     let mut p = chain(&[1.0, 1.0], &[10, 10], 0, 1.0);
     p.units[0].fwd_transient_bytes = 100;
