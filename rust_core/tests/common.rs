@@ -39,6 +39,9 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         bwd_large_allocs: None,
         replay_large_allocs: None,
         loss_transient_bytes: None,
+        bwd_replay_bytes: None,
+        held_values: None,
+        saved_values: None,
     }
 }
 

@@ -66,6 +66,9 @@ def extrapolate(p1: Dict[str, Any], b1: int, p2: Dict[str, Any], b2: int, b: int
             o["held_input_bytes"] = max(o["held_input_bytes"], sum(b for _, b in o["held_from"]))
     for k in ("model_fingerprint", "input_shapes", "input_specs"):
         out.pop(k, None)
+    for o in out["units"]:  # value ids of one profiling run; the cost model falls back to held_from/saved_from
+        o.pop("held_values", None)
+        o.pop("saved_values", None)
     return out
 
 
