@@ -648,10 +648,10 @@ def test_a_replay_is_charged_on_its_nodes_start_and_a_segment_holds_each_value_o
             for p, _, b in u[values]:
                 per_producer[p] = per_producer.get(p, 0) + b
             assert sorted(per_producer.items()) == [(p, b) for p, b in u[pairs]]
-    ids = {}  # one value, one producer
+    ids = {}  # one value (storage), one size wherever it is read (an in-place unit's keeps its input's id)
     for u in units:
-        for p, v, _ in u["held_values"] + u["saved_values"]:
-            assert ids.setdefault(v, p) == p
+        for _, v, b in u["held_values"] + u["saved_values"]:
+            assert ids.setdefault(v, b) == b
     plan = probe.replan(2**50, "recompute-all")
     fast = tp.run(model, plan)
     try:
