@@ -193,7 +193,7 @@ def _unit_factors(model: nn.Module, profile: Dict[str, Any], planned: Sequence[S
 
 
 _UNIT_BYTES = ("act_bytes", "output_bytes", "fwd_transient_bytes", "bwd_transient_bytes", "replay_transient_bytes",
-               "lingering_bytes")
+               "lingering_bytes", "bwd_replay_bytes")
 
 
 def scaled_profile(profile: Dict[str, Any], model: nn.Module, planned: Sequence[Spec],
