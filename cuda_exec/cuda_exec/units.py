@@ -347,6 +347,10 @@ class UnitRecord:
     held_from: List[Tuple[int, int]] = field(default_factory=list)
     #: bytes of the saved values it reads from earlier units: [(producer, bytes)], ascending
     saved_from: List[Tuple[int, int]] = field(default_factory=list)
+    #: held_from and saved_from one value (storage) at a time: [(producer, value id, bytes)], the
+    #: id the same wherever the value is read, so that readers of one value can count it once
+    held_values: List[Tuple[int, int, int]] = field(default_factory=list)
+    saved_values: List[Tuple[int, int, int]] = field(default_factory=list)
     inplace: bool = False  #: its output is an input it modified in place
     saved_tensors: int = 0  #: packs of tensors it owns (a storage packed twice counts twice)
     #: its segment drew random numbers (``UnitTracker(track_random=True)``; a checkpoint segment
@@ -1120,6 +1124,7 @@ class UnitTracker:
     # ---------------------------------------------------------------- results
 
     def _finalize(self) -> None:
+        value_id: Dict[int, int] = {}  # storage id -> value id, numbered as first read
         for rec, seg in zip(self.records, self.segments):
             i = rec.index
             producers: Set[int] = set()
@@ -1159,5 +1164,9 @@ class UnitTracker:
                 by_owner[owner] = by_owner.get(owner, 0) + held[sid]
             rec.held_from = sorted(by_owner.items())
             rec.saved_from = sorted((owner, sum(per.values())) for owner, per in saved_read.items())
+            rec.held_values = sorted((owner, value_id.setdefault(sid, len(value_id)), held[sid])
+                                     for sid, owner in held_owner.items())
+            rec.saved_values = sorted((owner, value_id.setdefault(sid, len(value_id)), b)
+                                      for owner, per in saved_read.items() for sid, b in per.items())
             rec.inplace = self._inplace[i]
             rec.read_by = sorted(self._readers[i], reverse=True)

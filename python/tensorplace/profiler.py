@@ -86,7 +86,9 @@ Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
 - fwd_transient_bytes / bwd_transient_bytes: the measured peak of the stage minus what the cost
   model's all-retain walk (docs/cost-model.md) already counts at that stage, never negative;
   loss_transient_bytes the same for the loss's backward (against the count before the stage's
-  gradients). So the evaluator's all-retain plan predicts exactly the measured per-stage peaks
+  gradients), and bwd_replay_bytes for the highest memory at the start of one of the stage's
+  backward nodes (each drops a marker N<i> in the memory step), where a replay runs (at most
+  bwd_transient_bytes + grad_bytes). So the evaluator's all-retain plan predicts exactly the measured per-stage peaks
   wherever the model counts no more than is really there, and the measured whole-step peak with it
   (`simulate_all_retain` is that walk, in Python, for checks). Known overcount: an in-place
   unit (`ReLU(inplace=True)` after BatchNorm) owns, as activation, the storage its producer
@@ -516,6 +518,11 @@ def _stage_peaks(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
                 if pending is not None:
                     peaks[("loss", stage[1])] = pending
                     pending = None
+            elif label[0] == "N":
+                # a backward node of the unit starts: the highest level at one is ("node", i)
+                key = ("node", int(label[1:]))
+                peaks[key] = max(peaks.get(key, level), level)
+                continue
             else:
                 continue
             if stage is not None:
@@ -901,6 +908,11 @@ class _Instruments:
             if self._bwd_current != unit:
                 self._bwd_current = unit
                 self.bwd_windows.append((unit, self.mark(f"B{unit}")))
+            if self.markers:
+                # every node start: where a replay can run (the executor replays at an unpack,
+                # which comes at a node's start), so the memory there bounds a replay's base
+                with torch.profiler.record_function(_MARK + f"N{unit}"):
+                    pass
             return None
 
         return hook
@@ -1347,6 +1359,8 @@ def profile_model(
             "glue_ops": int(glue_ops[i]),
             "held_from": [[int(p), int(b)] for p, b in r.held_from],
             "saved_from": [[int(p), int(b)] for p, b in r.saved_from],
+            "held_values": [[int(p), int(v), int(b)] for p, v, b in r.held_values],
+            "saved_values": [[int(p), int(v), int(b)] for p, v, b in r.saved_values],
             "saved_inputs": list(r.saved_inputs),
             "fwd_transient_bytes": 0,
             "bwd_transient_bytes": 0,
@@ -1390,6 +1404,10 @@ def profile_model(
         lp = peaks.get(("loss", i))
         if lp is not None:  # before the stage's own gradients: bwd_c[i] less them
             u["loss_transient_bytes"] = max(0, const_total + lp - (bwd_c[i] - u["grad_bytes"]))
+        npk = peaks.get(("node", i))
+        if npk is not None and b is not None:  # the same base; never above the stage's peak
+            u["bwd_replay_bytes"] = min(max(0, const_total + npk - (bwd_c[i] - u["grad_bytes"])),
+                                        u["bwd_transient_bytes"] + u["grad_bytes"])
     first = next((t for t in _tensors_in(list(args)) if t.dim() > 0), None)
     return {
         "format": PROFILE_FORMAT,

@@ -193,7 +193,7 @@ def _unit_factors(model: nn.Module, profile: Dict[str, Any], planned: Sequence[S
 
 
 _UNIT_BYTES = ("act_bytes", "output_bytes", "fwd_transient_bytes", "bwd_transient_bytes", "replay_transient_bytes",
-               "lingering_bytes")
+               "lingering_bytes", "bwd_replay_bytes")
 
 
 def scaled_profile(profile: Dict[str, Any], model: nn.Module, planned: Sequence[Spec],
@@ -227,6 +227,9 @@ def scaled_profile(profile: Dict[str, Any], model: nn.Module, planned: Sequence[
             u["held_input_bytes"] = max(0, own) + sum(b for _, b in u["held_from"])
         if "saved_from" in u:
             u["saved_from"] = [[int(p), int(int(b) * of(int(p)))] for p, b in u["saved_from"]]
+        for k in ("held_values", "saved_values"):  # [[producer, value id, bytes], ...]
+            if k in u:
+                u[k] = [[int(p), int(v), int(int(b) * of(int(p)))] for p, v, b in u[k]]
     itemsize = {s[1]: torch.empty((), dtype=getattr(torch, s[1].replace("torch.", ""))).element_size()
                 for s in new if s is not None and s[1]}
     if itemsize:

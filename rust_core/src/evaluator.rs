@@ -207,6 +207,8 @@ pub struct Scratch {
     fwd_over: Vec<f64>,
     /// Per producer, the run that last charged holding its values (dedupes a run's held inputs).
     charged_run: Vec<usize>,
+    /// Per value id (profiles with `held_values` / `saved_values`), the run that last charged it.
+    charged_value: Vec<usize>,
     /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
     replayed: Vec<bool>,
     /// Swap-outs in FIFO order: (completion time, item), item = unit | kind << KIND_SHIFT.
@@ -325,6 +327,7 @@ impl Scratch {
         self.fwd_over.resize(n, 0.0);
         self.charged_run.clear();
         self.charged_run.resize(n, usize::MAX);
+        self.charged_value.clear();
         self.replayed.clear();
         self.replayed.resize(n, false);
         self.queue.clear();
@@ -886,14 +889,17 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
                 regenerated += b;
             }
         }
-        // The replay runs inside stage Bi, among what Bi's backward has allocated so far (at most
-        // its transient and gradients).
-        self.make_room(g.act[u] + g.replay_extra[u] + regenerated + kept + g.bwd_transient[i] + g.grad[i]);
+        // The replay runs inside stage Bi at an unpack, among what Bi's backward has allocated
+        // so far: at most the most it holds at the start of one of its nodes (`bwd_replay`; at
+        // most its transient and gradients).
+        let base = g.bwd_replay[i];
+        self.make_room(g.act[u] + g.replay_extra[u] + regenerated + kept + base);
         if E::ENABLED {
             // What the stage's backward has allocated, what the replay reads, its output, its
             // scratch; all but the output leave after it.
-            self.ev.alloc(What::BwdWork(i), g.bwd_transient[i], self.t);
-            self.ev.alloc(What::ReplayGrad(i), g.grad[i], self.t);
+            let grads = g.grad[i].min(base);
+            self.ev.alloc(What::BwdWork(i), base - grads, self.t);
+            self.ev.alloc(What::ReplayGrad(i), grads, self.t);
             self.ev.alloc(What::Kept(u), kept, self.t);
             self.ev.alloc(What::Regenerated(u), regenerated, self.t);
             self.ev.alloc(What::Act(u), g.act[u], self.t);
@@ -1035,6 +1041,7 @@ fn simulate<E: MemoryEvents>(
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
     scratch.reset(n);
+    scratch.charged_value.resize(g.value_ids, usize::MAX);
     // Swapped parameters and optimizer state are on the host when the step starts; when each
     // prefetch is issued (crate::state_swap).
     let schedule = StateSchedule::new(g, swaps);
@@ -1092,14 +1099,25 @@ fn simulate<E: MemoryEvents>(
         }
         let run = sim.s.run_start[u];
         let mut held = g.held[u];
-        // Unsaved values: regenerated when produced in the run, else held once per run.
-        for &(p, b) in &g.held_from[u] {
-            if run <= p {
-                held -= b;
-            } else if sim.s.charged_run[p] == run {
-                held -= b;
-            } else {
-                sim.s.charged_run[p] = run;
+        // Unsaved values: regenerated when produced in the run, else held once per run: each
+        // value once where the profile names them, else each producer's once.
+        if g.value_ids > 0 {
+            for &(p, v, b) in &g.held_values[u] {
+                if run <= p || sim.s.charged_value[v] == run {
+                    held = held.saturating_sub(b);
+                } else {
+                    sim.s.charged_value[v] = run;
+                }
+            }
+        } else {
+            for &(p, b) in &g.held_from[u] {
+                if run <= p {
+                    held -= b;
+                } else if sim.s.charged_run[p] == run {
+                    held -= b;
+                } else {
+                    sim.s.charged_run[p] = run;
+                }
             }
         }
         // The generators' state, once per segment whose forward draws random numbers: kept by its
@@ -1111,10 +1129,19 @@ fn simulate<E: MemoryEvents>(
         sim.s.held_bytes[u] += held;
         // Saved values of a unit recomputed in another segment: held, once per segment, until the
         // backward of the first unit of the segment that reads them.
-        for &(p, b) in &g.saved_from[u] {
-            if p < run && actions[p] == Action::Recompute && sim.s.charged_run[p] != run {
-                sim.s.charged_run[p] = run;
-                sim.s.held_saved[u] += b;
+        if g.value_ids > 0 {
+            for &(p, v, b) in &g.saved_values[u] {
+                if p < run && actions[p] == Action::Recompute && sim.s.charged_value[v] != run {
+                    sim.s.charged_value[v] = run;
+                    sim.s.held_saved[u] += b;
+                }
+            }
+        } else {
+            for &(p, b) in &g.saved_from[u] {
+                if p < run && actions[p] == Action::Recompute && sim.s.charged_run[p] != run {
+                    sim.s.charged_run[p] = run;
+                    sim.s.held_saved[u] += b;
+                }
             }
         }
     }

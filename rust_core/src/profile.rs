@@ -87,6 +87,14 @@ pub struct Unit {
     /// Absent: such values are not charged to the reader.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub saved_from: Option<Vec<[i64; 2]>>,
+    /// `held_from` and `saved_from` one value (storage) at a time, as `[producer, value id,
+    /// bytes]`: a value read by several units of one checkpoint segment has the same id, so the
+    /// segment holds it once, while two values of one producer are both held. Absent (on any
+    /// unit): a segment holds each producer's values once, the first reader's bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_values: Option<Vec<[i64; 3]>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved_values: Option<Vec<[i64; 3]>>,
     /// Bytes of the parameters the optimizer updates that this unit is the first to use in the
     /// forward (a plan may keep them on the host from the optimizer step to this unit's next
     /// forward). Absent: none (they stay in `memory.parameters`).
@@ -148,6 +156,12 @@ pub struct Unit {
     /// count it in `bwd_transient_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_transient_bytes: Option<i64>,
+    /// The highest memory at the start of one of the unit's backward nodes, beyond what the cost
+    /// model counts before the stage's gradients: a replay in the stage runs at an unpack, at a
+    /// node's start, so on at most this much of the stage's backward. Absent: the stage's
+    /// `bwd_transient_bytes` and `grad_bytes` (a replay charged on the stage's whole peak).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bwd_replay_bytes: Option<i64>,
 }
 
 /// The executor's own host seconds per action on the profiled device (cuda_exec/calibrate.py):
@@ -284,6 +298,11 @@ pub struct Graph {
     pub held_from: Vec<Vec<(usize, u64)>>,
     /// Per unit, `saved_from` as (producer, bytes) pairs (empty when the profile has none).
     pub saved_from: Vec<Vec<(usize, u64)>>,
+    /// Per unit, `held_values` / `saved_values` as (producer, value id, bytes), and one more than
+    /// the largest id; all empty and 0 unless every unit has both.
+    pub held_values: Vec<Vec<(usize, usize, u64)>>,
+    pub saved_values: Vec<Vec<(usize, usize, u64)>>,
+    pub value_ids: usize,
     /// Default checkpoint segment boundaries: `block_start[u]` when unit u starts a repeated
     /// block (recipes::repeated_blocks); a run of recomputed units is split there.
     pub block_start: Vec<bool>,
@@ -293,6 +312,10 @@ pub struct Graph {
     pub bwd_transient: Vec<u64>,
     /// Per unit, `loss_transient_bytes` (0 when absent).
     pub loss_transient: Vec<u64>,
+    /// Per unit, what the backward of its stage has allocated when a replay in the stage runs:
+    /// `bwd_replay_bytes` (at least the loss's backward of the stage, at most the stage's
+    /// transient and gradients; those when absent).
+    pub bwd_replay: Vec<u64>,
     pub grad: Vec<u64>,
     pub inputs: Vec<Vec<usize>>,
     /// Per unit, the inputs whose activations a replay of the unit needs resident (`saved_inputs`,
@@ -528,6 +551,7 @@ impl Profile {
                 ("grad_bytes", u.grad_bytes),
                 ("replay_transient_bytes", u.replay_transient_bytes.unwrap_or(0)),
                 ("loss_transient_bytes", u.loss_transient_bytes.unwrap_or(0)),
+                ("bwd_replay_bytes", u.bwd_replay_bytes.unwrap_or(0)),
                 ("lingering_bytes", u.lingering_bytes.unwrap_or(0)),
                 ("param_bytes", u.param_bytes.unwrap_or(0)),
                 ("optimizer_state_bytes", u.optimizer_state_bytes.unwrap_or(0)),
@@ -580,6 +604,16 @@ impl Profile {
                         "unit {i} ({}) has saved_from entry [{p}, {b}]; it must be [an earlier unit 0..{i}, bytes >= 0]",
                         u.name
                     )));
+                }
+            }
+            for (what, vals) in [("held_values", &u.held_values), ("saved_values", &u.saved_values)] {
+                for &[p, v, b] in vals.iter().flatten() {
+                    if p < 0 || p >= i as i64 || v < 0 || b < 0 {
+                        return Err(CoreError::InvalidProfile(format!(
+                            "unit {i} ({}) has {what} entry [{p}, {v}, {b}]; it must be [an earlier unit 0..{i}, value id >= 0, bytes >= 0]",
+                            u.name
+                        )));
+                    }
                 }
             }
             if let Some(hf) = &u.held_from {
@@ -719,6 +753,27 @@ impl Profile {
         let mut need_order: Vec<usize> = (0..n).filter(|&u| first_need[u].is_some()).collect();
         need_order.sort_unstable_by(|&a, &b| first_need[b].cmp(&first_need[a]).then(b.cmp(&a)));
         let u64s = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> { self.units.iter().map(|u| f(u) as u64).collect() };
+        // Value ids only when every unit has them (a segment's readers are compared by id).
+        let keyed = self.units.iter().all(|u| u.held_values.is_some() && u.saved_values.is_some());
+        let value_ids = if keyed {
+            self.units
+                .iter()
+                .flat_map(|u| u.held_values.iter().chain(u.saved_values.iter()).flatten())
+                .map(|&[_, v, _]| v as usize + 1)
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        let values = |f: &dyn Fn(&Unit) -> &Option<Vec<[i64; 3]>>| -> Vec<Vec<(usize, usize, u64)>> {
+            self.units
+                .iter()
+                .map(|u| match (keyed, f(u)) {
+                    (true, Some(vals)) => vals.iter().map(|&[p, v, b]| (p as usize, v as usize, b as u64)).collect(),
+                    _ => Vec::new(),
+                })
+                .collect()
+        };
         let has_optimizer = self.optimizer.is_some();
         let opt_of = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> {
             if has_optimizer { u64s(f) } else { vec![0; n] }
@@ -796,6 +851,9 @@ impl Profile {
                     None => replay_inputs[i].iter().map(|&p| (p, self.saved_value_bytes(p))).collect(),
                 })
                 .collect(),
+            held_values: values(&|u| &u.held_values),
+            saved_values: values(&|u| &u.saved_values),
+            value_ids,
             block_start: {
                 let mut starts = vec![false; n];
                 for (a, _) in crate::recipes::repeated_blocks(self) {
@@ -807,6 +865,11 @@ impl Profile {
             fwd_transient: u64s(&|u| u.fwd_transient_bytes),
             bwd_transient: u64s(&|u| u.bwd_transient_bytes),
             loss_transient: u64s(&|u| u.loss_transient_bytes.unwrap_or(0)),
+            bwd_replay: u64s(&|u| {
+                let whole = u.bwd_transient_bytes + u.grad_bytes;
+                // a replay the loss's own backward triggers runs within that region
+                u.bwd_replay_bytes.map_or(whole, |b| b.max(u.loss_transient_bytes.unwrap_or(0)).min(whole))
+            }),
             grad: u64s(&|u| u.grad_bytes),
             inputs: g_inputs,
             replay_inputs,

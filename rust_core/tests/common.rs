@@ -39,6 +39,9 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         bwd_large_allocs: None,
         replay_large_allocs: None,
         loss_transient_bytes: None,
+        bwd_replay_bytes: None,
+        held_values: None,
+        saved_values: None,
     }
 }
 
@@ -184,6 +187,18 @@ pub fn random_profile(rng: &mut rand_chacha::ChaCha8Rng, max_units: usize) -> Pr
             })
             .collect();
         units[i].saved_from = Some(saved_from);
+    }
+    // Where a replay runs in its stage (every third unit), and values named by id (every other
+    // profile: one id per producer's unsaved output and one per its saved values), without
+    // drawing from the generator.
+    for (i, u) in units.iter_mut().enumerate() {
+        if i % 3 == 1 {
+            u.bwd_replay_bytes = Some(u.bwd_transient_bytes / 2);
+        }
+        if n % 2 == 0 {
+            u.held_values = u.held_from.as_ref().map(|hf| hf.iter().map(|&[p, b]| [p, 2 * p, b]).collect());
+            u.saved_values = u.saved_from.as_ref().map(|sf| sf.iter().map(|&[p, b]| [p, 2 * p + 1, b]).collect());
+        }
     }
     let bw = rng.gen_range(10.0..10000.0);
     let mut p = profile(units, rng.gen_range(0..=1000), bw);

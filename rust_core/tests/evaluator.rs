@@ -386,3 +386,59 @@ fn the_loss_backward_comes_before_the_first_stages_prefetches() {
     assert_eq!(o.prefetch.len(), 1);
     assert_eq!(o.peak_bytes, 100 + 20 + 30 + 40);
 }
+
+#[test]
+fn a_replay_lies_on_what_its_stage_has_allocated_at_a_nodes_start() {
+    // The last stage's backward peaks at 50 bytes (and 10 of gradients), but at the start of its
+    // nodes, where an unpack replays its segment, it holds at most 5: the replay of its last
+    // unit (30 bytes and 40 of scratch, on the 10 + 20 replayed before it) lies on those 5.
+    // Without `bwd_replay_bytes` it lies on all 60, as before; a value above the stage's peak is
+    // taken as the peak.
+    let mut p = chain(&[1.0, 1.0, 1.0], &[10, 20, 30], 100, 1.0);
+    p.units[2].bwd_transient_bytes = 50;
+    p.units[2].grad_bytes = 10;
+    p.units[2].replay_transient_bytes = Some(40);
+    let whole = eval(&p, &[Recompute; 3], u64::MAX);
+    assert_eq!(whole.peak_bytes, 100 + 30 + 70 + 60, "{:?}", whole.curve);
+    p.units[2].bwd_replay_bytes = Some(5);
+    let at_node = eval(&p, &[Recompute; 3], u64::MAX);
+    assert_eq!(at_node.peak_bytes, 100 + 60 + 60, "the stage's own peak: {:?}", at_node.curve);
+    p.units[2].bwd_transient_bytes = 0;
+    assert_eq!(eval(&p, &[Recompute; 3], u64::MAX).peak_bytes, 100 + 30 + 70 + 5);
+    p.units[2].bwd_replay_bytes = Some(500);
+    assert_eq!(eval(&p, &[Recompute; 3], u64::MAX).peak_bytes, 100 + 30 + 70 + 10);
+    // all-retain replays nothing: the field does not move it
+    assert_eq!(eval(&p, &[Retain; 3], u64::MAX).peak_bytes, 100 + 60 + 10);
+}
+
+#[test]
+fn a_segment_holds_two_values_of_one_producer_twice_and_one_value_once() {
+    // Unit 0 recomputed in a segment of its own; units 1 and 2 recomputed in the next one, each
+    // saving a value of unit 0 (40 and 60 bytes): the second segment holds both from its forward
+    // to its backward. Named by value, two ids are both charged; one id (one value read twice)
+    // once; without value ids a segment holds each producer's values once (the first reader's).
+    let mut p = chain(&[1.0, 1.0, 1.0], &[100, 0, 0], 1000, 1.0);
+    p.units[1].saved_from = Some(vec![[0, 40]]);
+    p.units[2].saved_from = Some(vec![[0, 60]]);
+    p.units[2].inputs = vec![0, 1];
+    p.units[0].read_by = vec![2, 1];
+    let peak = |p: &tensorplace_core::Profile| {
+        let g = p.graph().unwrap();
+        let o = tensorplace_core::evaluator::evaluate_segments(
+            &g, &[Recompute; 3], &[true, true, false], u64::MAX, &EvalOptions::default(), &mut Scratch::new(g.n), true,
+        );
+        o.curve.iter().find(|c| c.stage == Stage::Fwd(2)).unwrap().peak
+    };
+    let by_producer = peak(&p);
+    let mut two = p.clone();
+    for u in two.units.iter_mut() {
+        u.held_values = Some(vec![]);
+        u.saved_values = Some(vec![]);
+    }
+    two.units[1].saved_values = Some(vec![[0, 0, 40]]);
+    two.units[2].saved_values = Some(vec![[0, 1, 60]]);
+    let mut one = two.clone();
+    one.units[2].saved_values = Some(vec![[0, 0, 60]]);
+    assert_eq!(peak(&two), by_producer + 60);
+    assert_eq!(peak(&one), by_producer);
+}

@@ -25,7 +25,7 @@ from ..planning import Plan, evaluate, plan_profile, unplanned_peak
 from . import common
 
 UNIT_INTS = ("act_bytes", "output_bytes", "held_input_bytes", "fwd_transient_bytes", "bwd_transient_bytes",
-             "grad_bytes", "replay_transient_bytes", "lingering_bytes")
+             "grad_bytes", "replay_transient_bytes", "lingering_bytes", "bwd_replay_bytes")
 UNIT_FLOATS = ("fwd_time", "bwd_time")
 UNIT_PAIRS = ("held_from", "saved_from")
 STRUCTURE = ("name", "kind", "inputs", "model_inputs", "output_saved", "read_by", "saved_inputs", "lingering_until")
@@ -66,6 +66,11 @@ def extrapolate(p1: Dict[str, Any], b1: int, p2: Dict[str, Any], b2: int, b: int
             o["held_input_bytes"] = max(o["held_input_bytes"], sum(b for _, b in o["held_from"]))
     for k in ("model_fingerprint", "input_shapes", "input_specs"):
         out.pop(k, None)
+    for x, y, o in zip(u1, u2, out["units"]):  # value ids of one profiling run; the cost model falls back to held_from/saved_from
+        o.pop("held_values", None)
+        o.pop("saved_values", None)
+        if "bwd_replay_bytes" not in x or "bwd_replay_bytes" not in y:  # not one batch's: the stage's whole peak
+            o.pop("bwd_replay_bytes", None)
     return out
 
 
