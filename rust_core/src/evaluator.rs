@@ -893,7 +893,11 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         // so far: at most the most it holds at the start of one of its nodes (`bwd_replay`; at
         // most its transient and gradients).
         let base = g.bwd_replay[i];
-        self.make_room(g.act[u] + g.replay_extra[u] + regenerated + kept + base);
+        // A segment that draws random numbers is replayed between a copy of the generators' state
+        // at the replay and the copy it restores: two states beside the held one (transformer_encoder
+        // on the simulated GPU measured 2 x rng_state_bytes above a replay charged without them).
+        let work = g.replay_extra[u] + if self.s.run_random[self.s.run_start[u]] { 2 * g.rng_state } else { 0 };
+        self.make_room(g.act[u] + work + regenerated + kept + base);
         if E::ENABLED {
             // What the stage's backward has allocated, what the replay reads, its output, its
             // scratch; all but the output leave after it.
@@ -903,7 +907,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             self.ev.alloc(What::Kept(u), kept, self.t);
             self.ev.alloc(What::Regenerated(u), regenerated, self.t);
             self.ev.alloc(What::Act(u), g.act[u], self.t);
-            self.ev.alloc(What::ReplayWork(u), g.replay_extra[u], self.t);
+            self.ev.alloc(What::ReplayWork(u), work, self.t);
         }
         let start = self.t;
         self.run_stage(g.fwd_time[u], g.fwd_host.as_ref().map(|h| h[u]), 0.0);

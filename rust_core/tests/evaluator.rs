@@ -442,3 +442,23 @@ fn a_segment_holds_two_values_of_one_producer_twice_and_one_value_once() {
     assert_eq!(peak(&two), by_producer + 60);
     assert_eq!(peak(&one), by_producer);
 }
+
+#[test]
+fn a_random_segments_replay_holds_two_generator_states() {
+    // The same replay as above (the last unit's: 30 bytes and 40 of scratch on the 10 + 20
+    // replayed before it, on 5 bytes of its stage): a segment that draws random numbers holds the
+    // generators' state from its forward to its replay (rng_state_bytes), and during its replay
+    // two more copies (the state it sets and the one it restores).
+    let mut p = chain(&[1.0, 1.0, 1.0], &[10, 20, 30], 100, 1.0);
+    p.units[2].replay_transient_bytes = Some(40);
+    p.units[2].grad_bytes = 10;
+    p.units[2].bwd_replay_bytes = Some(5);
+    assert_eq!(eval(&p, &[Recompute; 3], u64::MAX).peak_bytes, 100 + 30 + 70 + 5);
+    p.rng_state_bytes = Some(7);
+    p.units[1].random = true;
+    // the held state is released by the segment's first unit's replay, before the last one's
+    assert_eq!(eval(&p, &[Recompute; 3], u64::MAX).peak_bytes, 100 + 30 + 70 + 5 + 2 * 7);
+    // a segment that draws none replays without them
+    p.units[1].random = false;
+    assert_eq!(eval(&p, &[Recompute; 3], u64::MAX).peak_bytes, 100 + 30 + 70 + 5);
+}
