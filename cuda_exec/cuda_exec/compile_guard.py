@@ -11,20 +11,21 @@ import torch
 
 from .errors import CompiledPathError
 
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+except ImportError:  # pragma: no cover - every supported torch has it
+    get_eval_frame_callback = None
+
 __all__ = ["compiling", "refuse_compile"]
 
 
 def compiling() -> bool:
     """Whether ``torch.compile`` is tracing the caller, or running it under its frame callback
     (dynamo runs a frame it gave up tracing eagerly, with the callback still set for the frames
-    that frame calls)."""
+    that frame calls). Called once per training step."""
     if torch.compiler.is_compiling():
         return True
-    try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return False
-    return get_eval_frame_callback() is not None
+    return get_eval_frame_callback is not None and get_eval_frame_callback() is not None
 
 
 def refuse_compile(what: str = "tensorplace.run()") -> None:
