@@ -3,6 +3,14 @@ run by the compiled engine (``tensorplace.compiled``, torch's selective checkpoi
 
     python benches/compiled_engine.py --model gpt6 --batch 8 --seq 256 [--repeats 5]
     python benches/compiled_engine.py --model resnet18 --batch 32 --image 128
+    python benches/compiled_engine.py --model gpt6 --device cuda --methods --at-checkpoint
+
+Rows: compiled unplanned, compiled torch checkpoint per block, tensorplace's ``--methods`` plans
+(default checkpoint-blocks, recompute-all), PSO plans at ``--fractions`` of the way from the
+lower bound to the unplanned peak (retain and recompute only), and with ``--at-checkpoint`` PSO
+plans whose budget is the compiled checkpoint's measured peak: one without swaps, and where the
+installed torch can lower swaps to its compiled offload (``compiled_offload_supported``) and the
+device is CUDA, one with swaps.
 
 Per row: the measured peak (torch's allocation records, constant memory included:
 ``tensorplace.profiler.unplanned_step_stats`` on the compiled module), the median step, the
@@ -25,6 +33,7 @@ import torch
 
 import tensorplace as tp
 from tensorplace.bench.common import build_model
+from tensorplace.compiled_engine import compiled_offload_supported
 from tensorplace.peers import block_modules, checkpoint_blocks
 from tensorplace.profiler import unplanned_step_stats
 
@@ -50,23 +59,34 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--methods", nargs="*", default=["checkpoint-blocks", "recompute-all"])
+    ap.add_argument("--fractions", type=float, nargs="*", default=[])
+    ap.add_argument("--at-checkpoint", action="store_true")
+    ap.add_argument("--particles", type=int, default=100)
+    ap.add_argument("--iterations", type=int, default=50)
     ap.add_argument("--json", help="append the rows to this JSON-lines file")
     a = ap.parse_args(argv)
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
-    built = build_model(a.model, a.batch, image=a.image, seq=a.seq, classes=a.classes)
+    built = build_model(a.model, a.batch, image=a.image, seq=a.seq, classes=a.classes, device=a.device)
     model, inputs = built.model, built.inputs
     loss_fn = built.loss_fn or (lambda out: out.float().pow(2).mean())
     x = inputs[0]
     for m in model.modules():  # dropout off: the rows' values are comparable across engines
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    plans = {m: tp.plan(copy.deepcopy(model), x, budget=1 << 40, loss_fn=loss_fn, method=m, repeats=1)
-             for m in ("checkpoint-blocks", "recompute-all")}
-    blocks = block_modules(plans["checkpoint-blocks"])
+    retained = tp.plan(copy.deepcopy(model), x, budget=1 << 40, loss_fn=loss_fn, method="retain", repeats=1)
+    profile = retained.profile
+    lb, up = tp.lower_bound(profile), retained.predicted["peak_bytes"]
+    search = dict(particles=a.particles, iterations=a.iterations)
+    plans = {m: tp.plan_profile(profile, 1 << 40, m) for m in a.methods}
+    for f in a.fractions:
+        plans[f"pso {f:g} (no swaps)"] = tp.plan_profile(profile, int(lb + f * (up - lb)), "pso", swaps=False, **search)
+    blocks = block_modules(tp.plan_profile(profile, 1 << 40, "checkpoint-blocks"))
     rows: List[Dict[str, Any]] = []
 
-    def measure(name: str, make: Any, params: torch.nn.Module, plan: Any = None) -> None:
+    def measure(name: str, make: Any, params: torch.nn.Module, plan: Any = None) -> Dict[str, Any]:
         torch._dynamo.reset()
         module = make()
         t0 = time.perf_counter()
@@ -77,36 +97,45 @@ def main(argv: List[str]) -> None:
                "grads": grads}
         if plan is not None:
             row["predicted_peak_bytes"] = plan.predicted["peak_bytes"]
+            row["counts"] = plan.counts()
         rows.append(row)
+        row["max_diff"] = max(float((g - h).abs().max()) for g, h in zip(rows[0]["grads"], grads))
+        if a.json:  # each row as soon as it is measured
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"model": a.model, "batch": a.batch, "device": a.device,
+                                    **{k: v for k, v in row.items() if k != "grads"}}) + "\n")
         print(f"{name}: peak {tp.format_bytes(row['peak_bytes'])}, step {row['step_time'] * 1e3:.1f} ms "
               f"(compile {compile_s:.0f} s)", file=sys.stderr, flush=True)
+        return row
 
-    measure("compiled unplanned", lambda: torch.compile(model), model)
-    ckpt = checkpoint_blocks(copy.deepcopy(model), blocks)
-    measure("compiled torch checkpoint per block", lambda: torch.compile(ckpt), ckpt)
-    for m, plan in plans.items():
+    def measure_plan(name: str, plan: Any) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             wrapper = tp.compiled(model, plan)
         try:
-            measure(f"compiled tensorplace {m}", lambda: torch.compile(wrapper), model, plan)
+            measure(f"compiled tensorplace {name}", lambda: torch.compile(wrapper), model, plan)
         finally:
             wrapper.close()
-    ref = rows[0]["grads"]
-    print(f"\n{a.model} batch {a.batch}: torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    measure("compiled unplanned", lambda: torch.compile(model), model)
+    ckpt = checkpoint_blocks(copy.deepcopy(model), blocks)
+    ck_row = measure("compiled torch checkpoint per block", lambda: torch.compile(ckpt), ckpt)
+    for m, plan in plans.items():
+        measure_plan(m, plan)
+    if a.at_checkpoint:
+        budget = max(int(ck_row["peak_bytes"]), tp.lower_bound(profile))
+        measure_plan("pso at checkpoint's peak (no swaps)",
+                     tp.plan_profile(profile, budget, "pso", swaps=False, **search))
+        if compiled_offload_supported() and torch.device(a.device).type == "cuda":
+            measure_plan("pso at checkpoint's peak (swaps offloaded)", tp.plan_profile(profile, budget, "pso", **search))
+    print(f"\n{a.model} batch {a.batch} on {a.device}: torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| row | peak | step | x ckpt | max diff vs compiled unplanned | predicted peak (eager model) |")
     print("|---|---|---|---|---|---|")
     ck = rows[1]["step_time"]
     for r in rows:
-        diff = max(float((g - h).abs().max()) for g, h in zip(ref, r.pop("grads")))
-        r["max_diff"] = diff
         pred = tp.format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else ""
         print(f"| {r['row']} | {tp.format_bytes(r['peak_bytes'])} | {r['step_time'] * 1e3:.1f} ms | "
-              f"{r['step_time'] / ck:.2f} | {diff:.1e} | {pred} |")
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps({"model": a.model, "batch": a.batch, **r}) + "\n")
+              f"{r['step_time'] / ck:.2f} | {r['max_diff']:.1e} | {pred} |")
 
 
 if __name__ == "__main__":

@@ -124,19 +124,66 @@ def test_eager_saves_keeps_an_in_place_group_and_outside_writes():
     assert eager_saves(ops, [True, False, False]) == [True, True, True]
 
 
-def test_swaps_run_as_retained_with_a_warning_where_torch_has_no_compiled_offload():
+def test_swaps_run_as_retained_with_a_warning_where_torch_has_no_compiled_offload(monkeypatch):
+    import tensorplace.compiled_engine as ce
+
+    monkeypatch.setattr(ce, "compiled_offload_supported", lambda: False)
     model = _gpt()
     x = _gpt_input()
     plan = _plan(model, x, "swap-all")
-    if compiled_offload_supported():
-        pytest.skip("this torch lowers CPU offload in its compiled path")
     with pytest.warns(RuntimeWarning, match="swapped units run as retained"):
         wrapper = tp.compiled(model, plan)
     try:
         assert wrapper.swaps_as_retain == [u for u, a in zip(plan.units, plan.actions) if a == "swap"]
-        assert set(wrapper.actions) == {"retain"}
+        assert set(wrapper.actions) == {"retain"} and not wrapper.offloads
     finally:
         wrapper.close()
+
+
+@pytest.mark.skipif(not compiled_offload_supported(), reason="this torch has no activation-offloading pass")
+def test_compiled_swaps_go_to_torchs_activation_offloading(monkeypatch):
+    """A swap plan, compiled: the ops of swapped units are offloaded by torch's activation-offloading
+    pass (on a CPU the copies are to the same device; the graph is the one CUDA gets), the values
+    equal the compiled unplanned step's, and closing the wrapper puts torch's settings back."""
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+    from torch._functorch._activation_offloading import activation_offloading as ao
+
+    offloaded = []
+    choose = ao.choose_offload_sets
+
+    def recording(fwd_module, *args, **kwargs):
+        ok = choose(fwd_module, *args, **kwargs)
+        offloaded.extend(n.name for n in fwd_module.graph.nodes if n.meta.get("saved_for_offloading"))
+        return ok
+
+    monkeypatch.setattr(ao, "choose_offload_sets", recording)
+    model = _gpt()
+    x = _gpt_input()
+    plan = _plan(model, x, "swap-all")
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    want, want_state = _steps(torch.compile(reference), reference, x, steps=1)
+    before = (fc.enable_activation_offloading, ic.joint_custom_pre_pass)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the embeddings and head lie outside the blocks
+        wrapper = tp.compiled(model, plan)
+    try:
+        assert wrapper.offloads and wrapper.swaps_as_retain == []
+        assert fc.enable_activation_offloading
+        torch._dynamo.reset()
+        got, got_state = _steps(torch.compile(wrapper), model, x, steps=1)
+    finally:
+        wrapper.close()
+        torch._dynamo.reset()
+    assert (fc.enable_activation_offloading, ic.joint_custom_pre_pass) == before
+    assert len(offloaded) >= 3, offloaded  # at least one value of each of the three blocks
+    for (la, ga), (lb, gb) in zip(want, got):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(want_state, got_state):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_a_plan_of_another_model_is_refused():

@@ -10,10 +10,16 @@ executor; an op between modules, "glue", belongs to the unit that ran last, or t
 first unit when none has yet):
 
 * retain -> ``CheckpointPolicy.MUST_SAVE``; recompute -> ``CheckpointPolicy.MUST_RECOMPUTE``;
-* swap -> ``MUST_CPU_OFFLOAD`` where the installed torch lowers it in its compiled path
-  (:func:`compiled_offload_supported`); no torch up to 2.15 does (its partitioner saves such an
-  op like MUST_SAVE and its eager checkpoint recomputes it), so a swap runs as retain, with a
-  warning, and ``wrapper.swaps_as_retain`` lists those units;
+* swap -> ``MUST_CPU_OFFLOAD``, compiled (:func:`compiled_offload_supported`): torch's
+  partitioner saves an offload-tagged op like a saved one (every torch up to 2.15), so the wrapper
+  installs a joint-graph pass (inductor's ``joint_custom_pre_pass``) that marks those ops
+  ``should_offload`` and turns on torch's activation-offloading pass
+  (``torch._functorch.config.enable_activation_offloading``; on CUDA on its own stream, with the
+  reloads prefetched), which copies each such saved value to the host after its last forward
+  use and back before its first backward use (torch skips views, non-contiguous values and the
+  model's outputs: those stay saved on the device). Eagerly (torch's eager selective
+  checkpointing has no offload) and where the torch lacks that pass, a swap runs as retain:
+  ``wrapper.swaps_as_retain`` lists those units (with a warning where the torch lacks the pass);
 * ops that cannot be recomputed safely are saved whatever their unit's action: random ops
   (dropout: torch's compiled recompute would need a functionalised generator) and collectives.
 
@@ -73,19 +79,100 @@ RETAIN, SWAP, RECOMPUTE = "retain", "swap", "recompute"
 
 
 def compiled_offload_supported() -> bool:
-    """Whether the installed torch lowers ``CheckpointPolicy.MUST_CPU_OFFLOAD`` in its compiled
-    path (its partitioner handles the policy). False for every torch up to 2.15: there the
-    partitioner treats an offload-tagged op like a saved one."""
+    """Whether swaps can be lowered to torch's compiled CPU offload with this torch: it has the
+    activation-offloading pass its partitioner runs on values marked ``should_offload``
+    (``torch._functorch.config.enable_activation_offloading``, torch 2.11 on) and inductor's
+    joint-graph pass hook, through which the wrapper marks the ops its policy tags
+    ``MUST_CPU_OFFLOAD``."""
     policy = getattr(torch.utils.checkpoint, "CheckpointPolicy", None)
     if policy is None or not hasattr(policy, "MUST_CPU_OFFLOAD"):
         return False
     try:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
         from torch._functorch import partitioners
-
-        source = inspect.getsource(partitioners)
-    except (ImportError, OSError, TypeError):
+        from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: F401
+    except ImportError:
         return False
-    return "MUST_CPU_OFFLOAD" in source or "PREFER_CPU_OFFLOAD" in source
+    return (hasattr(functorch_config, "enable_activation_offloading")
+            and hasattr(inductor_config, "joint_custom_pre_pass")
+            and "enable_activation_offloading" in _source(partitioners))
+
+
+def _source(module: Any) -> str:
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+
+
+def _mark_offloads(graph: Any) -> int:
+    """The joint-graph pass: every op the policy tagged MUST_CPU_OFFLOAD is saved (torch's
+    partitioner would save it anyway) and marked for torch's activation-offloading pass.
+    Returns how many ops it marked."""
+    P = torch.utils.checkpoint.CheckpointPolicy
+    marked = 0
+    for node in graph.nodes:
+        if node.meta.get("recompute") in (P.MUST_CPU_OFFLOAD, P.PREFER_CPU_OFFLOAD):
+            node.meta["recompute"] = P.MUST_SAVE
+            node.meta["should_offload"] = True
+            marked += 1
+    return marked
+
+
+class _OffloadSettings:
+    """torch's compiled-offload settings while a wrapper with swaps lives: the joint-graph pass
+    (chained after one the user had) and the functorch flags; :meth:`restore` puts back what was
+    there. Several wrappers share one installation (reference count)."""
+
+    users = 0
+    saved: Dict[str, Any] = {}
+    marked = 0
+
+    @classmethod
+    def install(cls, on_cuda: bool) -> None:
+        import torch._functorch.config as fc
+        import torch._inductor.config as ic
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        if cls.users == 0:
+            cls.saved = {"joint_custom_pre_pass": ic.joint_custom_pre_pass,
+                         **{k: getattr(fc, k) for k in _OFFLOAD_FLAGS if hasattr(fc, k)}}
+            previous = ic.joint_custom_pre_pass
+
+            class MarkOffloads(CustomGraphPass):
+                def __call__(self, graph: Any) -> None:
+                    if previous is not None:
+                        previous(graph)
+                    _OffloadSettings.marked += _mark_offloads(graph)
+
+                def uuid(self) -> Any:
+                    inner = previous.uuid() if previous is not None and hasattr(previous, "uuid") else None
+                    return ("tensorplace.compiled_engine.mark_offloads", 1, inner)
+
+            ic.joint_custom_pre_pass = MarkOffloads()
+        cls.users += 1
+        fc.enable_activation_offloading = True
+        if on_cuda:  # a stream of its own and prefetched reloads (CPU tensors: no streams)
+            for k in _OFFLOAD_FLAGS[1:]:
+                if hasattr(fc, k):
+                    setattr(fc, k, True)
+
+    @classmethod
+    def restore(cls) -> None:
+        import torch._functorch.config as fc
+        import torch._inductor.config as ic
+
+        cls.users -= 1
+        if cls.users == 0:
+            ic.joint_custom_pre_pass = cls.saved.pop("joint_custom_pre_pass")
+            for k, v in cls.saved.items():
+                setattr(fc, k, v)
+            cls.saved = {}
+
+
+_OFFLOAD_FLAGS = ("enable_activation_offloading", "activation_offload_separate_stream",
+                  "activation_offload_sink_wait", "activation_reload_prefetch")
 
 
 # --- regions and units --------------------------------------------------------------------------
@@ -416,14 +503,19 @@ class CompiledPlan(nn.Module):
             self.regions.append(reg)
         in_region = {i for reg in self.regions for i in reg.units}
         offload = compiled_offload_supported()
+        swapped = [i for i, a in enumerate(actions) if a == SWAP and (i in in_region or not offload)]
         #: units a plan swaps that run as retain (this torch has no compiled CPU offload)
-        self.swaps_as_retain: List[str] = [] if offload else [self.unit_names[i] for i, a in enumerate(actions) if a == SWAP]
-        #: units a plan recomputes outside every region (run as retained)
+        self.swaps_as_retain: List[str] = [] if offload else [self.unit_names[i] for i in swapped]
+        #: units a plan recomputes or swaps outside every region (run as retained)
         self.outside_regions: List[str] = [self.unit_names[i] for i, a in enumerate(actions)
-                                           if a == RECOMPUTE and i not in in_region]
-        self.actions = [RETAIN if (a == SWAP and not offload) or (a == RECOMPUTE and i not in in_region) else a
+                                           if a != RETAIN and i not in in_region]
+        self.actions = [RETAIN if (a == SWAP and not offload) or i not in in_region else a
                         for i, a in enumerate(actions)]
         self._offload = offload
+        #: whether this wrapper turned on torch's compiled offload (until :meth:`close`)
+        self.offloads = bool(offload and swapped)
+        if self.offloads:
+            _OffloadSettings.install(on_cuda=any(p.is_cuda for p in model.parameters()))
         if self.swaps_as_retain:
             warnings.warn(
                 f"tensorplace.compiled: this torch ({torch.__version__}) does not lower CPU offload in its compiled "
@@ -433,8 +525,8 @@ class CompiledPlan(nn.Module):
                 RuntimeWarning, stacklevel=2)
         if self.outside_regions:
             warnings.warn(
-                f"tensorplace.compiled: {len(self.outside_regions)} recomputed units are outside the checkpoint regions "
-                f"({', '.join(self.outside_regions[:3])}...) and run as retained (more memory than the plan "
+                f"tensorplace.compiled: {len(self.outside_regions)} recomputed or swapped units are outside the checkpoint "
+                f"regions ({', '.join(self.outside_regions[:3])}...) and run as retained (more memory than the plan "
                 "predicts); name the regions to checkpoint with regions=[...]", RuntimeWarning, stacklevel=2)
         # eager bookkeeping: the unit running now (forward pre-hooks), the learned corrections
         self._unit_of_module: Dict[int, List[int]] = {}
@@ -576,8 +668,8 @@ class CompiledPlan(nn.Module):
         action = self.actions[unit]
         if action == RECOMPUTE:
             return P.MUST_RECOMPUTE
-        if action == SWAP and self._offload:
-            return P.MUST_CPU_OFFLOAD
+        if action == SWAP and self._offload and torch.compiler.is_compiling():
+            return P.MUST_CPU_OFFLOAD  # eagerly saved: torch's eager checkpoint has no offload
         return P.MUST_SAVE
 
     # --- the module ---------------------------------------------------------------------------
@@ -595,7 +687,11 @@ class CompiledPlan(nn.Module):
             self._in_forward = False
 
     def close(self) -> None:
-        """Give the model its regions' own ``forward`` back and remove the hooks."""
+        """Give the model its regions' own ``forward`` back, remove the hooks, and put torch's
+        compiled-offload settings back (when this wrapper turned them on)."""
+        if self.offloads:
+            self.offloads = False
+            _OffloadSettings.restore()
         for module, original in self._originals:
             if module.__dict__.get("forward") is not None:
                 del module.__dict__["forward"]
