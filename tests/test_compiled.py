@@ -171,8 +171,13 @@ def test_compiled_swaps_go_to_torchs_activation_offloading(monkeypatch):
     try:
         assert wrapper.offloads and wrapper.swaps_as_retain == []
         assert fc.enable_activation_offloading
+        _loss(wrapper(x)).backward()  # an eager step first (a plan checked, then compiled)
+        for p in model.parameters():
+            p.grad = None
         torch._dynamo.reset()
         got, got_state = _steps(torch.compile(wrapper), model, x, steps=1)
+        # torch traced the policy's tags (torch 2.11 asks it outside torch.compiler.is_compiling())
+        assert wrapper.traced_policies.get("MUST_CPU_OFFLOAD", 0) > 0, wrapper.traced_policies
     finally:
         wrapper.close()
         torch._dynamo.reset()
@@ -224,6 +229,7 @@ def test_torch_compile_of_the_wrapper_trains_as_the_compiled_unplanned_step():
     try:
         torch._dynamo.reset()
         got, got_state = _steps(torch.compile(wrapper), model, x)
+        assert wrapper.traced_policies.get("MUST_RECOMPUTE", 0) > 0, wrapper.traced_policies
     finally:
         wrapper.close()
         torch._dynamo.reset()

@@ -99,6 +99,19 @@ def compiled_offload_supported() -> bool:
             and "enable_activation_offloading" in _source(partitioners))
 
 
+def _tracing() -> bool:
+    """Whether torch is tracing for its compiled path: dynamo (``torch.compiler.is_compiling``), or
+    a run on fake tensors or AOTAutograd's tracing, during which torch asks the
+    selective-checkpointing policy (torch up to 2.13 leaves ``is_compiling`` False there)."""
+    return (torch.compiler.is_compiling() or _proxy_tracing()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+
+
+def _proxy_tracing() -> bool:
+    """Whether AOTAutograd is tracing the graph: the policy's answers become the ops' tags."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
 def _source(module: Any) -> str:
     try:
         return inspect.getsource(module)
@@ -440,11 +453,14 @@ class _RegionCall:
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         P = torch.utils.checkpoint.CheckpointPolicy
-        if torch.compiler.is_compiling():
+        if _tracing():
             u = self.unit_compiled()
             if u is None:
                 u = self.region.units[0]
-            return self.engine.op_policy(u, func)
+            policy = self.engine.op_policy(u, func)
+            if _proxy_tracing():
+                self.engine.traced_policies[policy.name] = self.engine.traced_policies.get(policy.name, 0) + 1
+            return policy
         # eager
         phase = 1 if getattr(ctx, "is_recompute", False) else 0
         i = self.count[phase]
@@ -512,6 +528,9 @@ class CompiledPlan(nn.Module):
         self.actions = [RETAIN if (a == SWAP and not offload) or i not in in_region else a
                         for i, a in enumerate(actions)]
         self._offload = offload
+        #: how many traced ops the policy tagged with each CheckpointPolicy (name: count), over
+        #: every compilation of this wrapper
+        self.traced_policies: Dict[str, int] = {}
         #: whether this wrapper turned on torch's compiled offload (until :meth:`close`)
         self.offloads = bool(offload and swapped)
         if self.offloads:
@@ -589,14 +608,14 @@ class CompiledPlan(nn.Module):
 
         def context_fn() -> Any:
             call = _RegionCall(engine, reg)
-            if not torch.compiler.is_compiling():
+            if not _tracing():
                 engine._eager_call_begins(reg, call)
             return torch.utils.checkpoint.create_selective_checkpoint_contexts(call, allow_cache_entry_mutation=True)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (reg.module.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
-            if torch.compiler.is_compiling():
+            if _tracing():
                 return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
                                                          **kwargs)
             return engine._eager_region(reg, original, context_fn, args, kwargs)
@@ -604,7 +623,7 @@ class CompiledPlan(nn.Module):
         return forward
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or not self._in_forward:
+        if _tracing() or not self._in_forward:
             return
         i = self._invocations
         self._invocations += 1
@@ -668,14 +687,14 @@ class CompiledPlan(nn.Module):
         action = self.actions[unit]
         if action == RECOMPUTE:
             return P.MUST_RECOMPUTE
-        if action == SWAP and self._offload and torch.compiler.is_compiling():
+        if action == SWAP and self._offload and _tracing():
             return P.MUST_CPU_OFFLOAD  # eagerly saved: torch's eager checkpoint has no offload
         return P.MUST_SAVE
 
     # --- the module ---------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _tracing():
             return self.model(*args, **kwargs)
         self._calls = {}
         self._invocations = 0
