@@ -7,7 +7,7 @@ run by the compiled engine (``tensorplace.compiled``, torch's selective checkpoi
 
 Rows: compiled unplanned, compiled torch checkpoint per block, tensorplace's ``--methods`` plans
 (default checkpoint-blocks, recompute-all), PSO plans at ``--fractions`` of the way from the
-lower bound to the unplanned peak (retain and recompute only), and with ``--at-checkpoint`` PSO
+lower bound to the unplanned peak (retain and recompute only; ``--swap-fractions``: with swaps), and with ``--at-checkpoint`` PSO
 plans whose budget is the compiled checkpoint's measured peak: one without swaps, and where the
 installed torch can lower swaps to its compiled offload (``compiled_offload_supported``) and the
 device is CUDA, one with swaps.
@@ -62,7 +62,11 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--methods", nargs="*", default=["checkpoint-blocks", "recompute-all"])
     ap.add_argument("--fractions", type=float, nargs="*", default=[])
+    ap.add_argument("--swap-fractions", type=float, nargs="*", default=[],
+                    help="PSO plans with swaps (offloaded where compiled_offload_supported) at these fractions")
     ap.add_argument("--at-checkpoint", action="store_true")
+    ap.add_argument("--offload-stream", type=int, choices=[0, 1], default=0,
+                    help="compiled offload on a CUDA stream of its own (default 0: the compute stream)")
     ap.add_argument("--particles", type=int, default=100)
     ap.add_argument("--iterations", type=int, default=50)
     ap.add_argument("--json", help="append the rows to this JSON-lines file")
@@ -83,6 +87,8 @@ def main(argv: List[str]) -> None:
     plans = {m: tp.plan_profile(profile, 1 << 40, m) for m in a.methods}
     for f in a.fractions:
         plans[f"pso {f:g} (no swaps)"] = tp.plan_profile(profile, int(lb + f * (up - lb)), "pso", swaps=False, **search)
+    for f in a.swap_fractions:
+        plans[f"pso {f:g} (swaps)"] = tp.plan_profile(profile, int(lb + f * (up - lb)), "pso", **search)
     blocks = block_modules(tp.plan_profile(profile, 1 << 40, "checkpoint-blocks"))
     rows: List[Dict[str, Any]] = []
 
@@ -111,7 +117,7 @@ def main(argv: List[str]) -> None:
     def measure_plan(name: str, plan: Any) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            wrapper = tp.compiled(model, plan)
+            wrapper = tp.compiled(model, plan, offload_stream=bool(a.offload_stream))
         try:
             measure(f"compiled tensorplace {name}", lambda: torch.compile(wrapper), model, plan)
         finally:
@@ -123,7 +129,13 @@ def main(argv: List[str]) -> None:
     for m, plan in plans.items():
         measure_plan(m, plan)
     if a.at_checkpoint:
-        budget = max(int(ck_row["peak_bytes"]), tp.lower_bound(profile))
+        budget = int(ck_row["peak_bytes"])  # below what the eager model can plan for: its smallest budget
+        try:
+            tp.plan_profile(profile, budget, "pso", swaps=False, particles=10, iterations=2)
+        except tp.BudgetError as e:
+            budget = max(budget, int(e.args[1]) if len(e.args) > 1 else tp.lower_bound(profile))
+            print(f"the checkpoint's peak is below the smallest budget of a plan without swaps; planned at "
+                  f"{tp.format_bytes(budget)}", file=sys.stderr)
         measure_plan("pso at checkpoint's peak (no swaps)",
                      tp.plan_profile(profile, budget, "pso", swaps=False, **search))
         if compiled_offload_supported() and torch.device(a.device).type == "cuda":

@@ -14,10 +14,13 @@ first unit when none has yet):
   partitioner saves an offload-tagged op like a saved one (every torch up to 2.15), so the wrapper
   installs a joint-graph pass (inductor's ``joint_custom_pre_pass``) that marks those ops
   ``should_offload`` and turns on torch's activation-offloading pass
-  (``torch._functorch.config.enable_activation_offloading``; on CUDA on its own stream, with the
-  reloads prefetched), which copies each such saved value to the host after its last forward
-  use and back before its first backward use (torch skips views, non-contiguous values and the
-  model's outputs: those stay saved on the device). Eagerly (torch's eager selective
+  (``torch._functorch.config.enable_activation_offloading``), which copies each such saved value
+  to the host after its last forward use and back before its first backward use (torch skips
+  views, non-contiguous values and the model's outputs: those stay saved on the device). The
+  copies run on the compute stream; ``offload_stream=True`` puts them on a stream of their own
+  with prefetched reloads (torch's flags for it), which torch 2.11 fails to compile on CUDA
+  (``streams.record_stream``: "missing 1 required positional argument: 'to_dealloc'", measured
+  on an H200). Eagerly (torch's eager selective
   checkpointing has no offload) and where the torch lacks that pass, a swap runs as retain:
   ``wrapper.swaps_as_retain`` lists those units (with a warning where the torch lacks the pass);
 * ops that cannot be recomputed safely are saved whatever their unit's action: random ops
@@ -143,7 +146,7 @@ class _OffloadSettings:
     marked = 0
 
     @classmethod
-    def install(cls, on_cuda: bool) -> None:
+    def install(cls, stream: bool) -> None:
         import torch._functorch.config as fc
         import torch._inductor.config as ic
         from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -166,7 +169,7 @@ class _OffloadSettings:
             ic.joint_custom_pre_pass = MarkOffloads()
         cls.users += 1
         fc.enable_activation_offloading = True
-        if on_cuda:  # a stream of its own and prefetched reloads (CPU tensors: no streams)
+        if stream:  # a stream of its own and prefetched reloads (CPU tensors: no streams)
             for k in _OFFLOAD_FLAGS[1:]:
                 if hasattr(fc, k):
                     setattr(fc, k, True)
@@ -482,9 +485,11 @@ class CompiledPlan(nn.Module):
     ``plan``: a :class:`tensorplace.Plan` (or its dict, or a path), one action per unit (unit
     names as in the plan's ``units``: one entry per call of a unit module, in forward order).
     ``regions``: module names to run under checkpoint (default: the plan's recorded regions,
-    else :func:`find_regions`)."""
+    else :func:`find_regions`). ``offload_stream``: compiled swaps copy on a CUDA stream of
+    their own (torch's experimental flags; default False: on the compute stream)."""
 
-    def __init__(self, model: nn.Module, plan: Any, *, regions: Optional[Sequence[str]] = None) -> None:
+    def __init__(self, model: nn.Module, plan: Any, *, regions: Optional[Sequence[str]] = None,
+                 offload_stream: bool = False) -> None:
         super().__init__()
         from .planning import Plan
 
@@ -534,7 +539,8 @@ class CompiledPlan(nn.Module):
         #: whether this wrapper turned on torch's compiled offload (until :meth:`close`)
         self.offloads = bool(offload and swapped)
         if self.offloads:
-            _OffloadSettings.install(on_cuda=any(p.is_cuda for p in model.parameters()))
+            on_cuda = any(p.is_cuda for p in model.parameters())
+            _OffloadSettings.install(stream=bool(offload_stream) and on_cuda)
         if self.swaps_as_retain:
             warnings.warn(
                 f"tensorplace.compiled: this torch ({torch.__version__}) does not lower CPU offload in its compiled "
@@ -720,8 +726,9 @@ class CompiledPlan(nn.Module):
         self._handles.clear()
 
 
-def compiled(model: nn.Module, plan: Any, *, regions: Optional[Sequence[str]] = None) -> CompiledPlan:
+def compiled(model: nn.Module, plan: Any, *, regions: Optional[Sequence[str]] = None,
+             offload_stream: bool = False) -> CompiledPlan:
     """``model`` training under ``plan`` through torch's selective activation checkpointing: use it
     as the model (``torch.compile(tensorplace.compiled(model, plan))``, or eagerly to check a plan
     without compiling). See :class:`CompiledPlan` and docs/compiled.md."""
-    return CompiledPlan(model, plan, regions=regions)
+    return CompiledPlan(model, plan, regions=regions, offload_stream=offload_stream)
