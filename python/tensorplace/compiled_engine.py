@@ -20,9 +20,9 @@ first unit when none has yet):
   copies run on the compute stream; ``offload_stream=True`` puts them on a stream of their own
   with prefetched reloads (torch's flags for it), which torch 2.11 fails to compile on CUDA
   (``streams.record_stream``: "missing 1 required positional argument: 'to_dealloc'", measured
-  on an H200). Eagerly (torch's eager selective
-  checkpointing has no offload) and where the torch lacks that pass, a swap runs as retain:
-  ``wrapper.swaps_as_retain`` lists those units (with a warning where the torch lacks the pass);
+  on an H200). Eagerly (torch's eager selective checkpointing has no offload) a swap runs as
+  retain; where the torch lacks that pass it does so compiled too, with a warning, and
+  ``wrapper.swaps_as_retain`` lists those units;
 * ops that cannot be recomputed safely are saved whatever their unit's action: random ops
   (dropout: torch's compiled recompute would need a functionalised generator) and collectives.
 
@@ -143,7 +143,6 @@ class _OffloadSettings:
 
     users = 0
     saved: Dict[str, Any] = {}
-    marked = 0
 
     @classmethod
     def install(cls, stream: bool) -> None:
@@ -160,7 +159,7 @@ class _OffloadSettings:
                 def __call__(self, graph: Any) -> None:
                     if previous is not None:
                         previous(graph)
-                    _OffloadSettings.marked += _mark_offloads(graph)
+                    _mark_offloads(graph)
 
                 def uuid(self) -> Any:
                     inner = previous.uuid() if previous is not None and hasattr(previous, "uuid") else None
