@@ -266,3 +266,25 @@ def test_a_plan_without_swaps_for_the_compiled_engine():
         wrapper.close()
     with pytest.raises(tp.PlannerError, match="swaps=False applies to method='pso'"):
         tp.plan_profile(plan.profile, plan.budget_bytes, "swap-all", swaps=False)
+
+
+def test_a_wrapped_model_is_not_profiled_planned_or_wrapped_again():
+    """While a wrapper lives, the model's blocks run its policy: tp.plan, tp.run and a second
+    tp.compiled of the model (or of a deep copy of it) are refused with the fix; after close()
+    they work."""
+    model = _gpt()
+    x = _gpt_input()
+    plan = _plan(model, x, "recompute-all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, plan)
+    try:
+        for call in (lambda m: tp.plan(m, x, budget=1 << 40, loss_fn=_loss, method="retain", repeats=1),
+                     lambda m: tp.run(m, plan), lambda m: tp.compiled(m, plan)):
+            for m in (model, copy.deepcopy(model)):
+                with pytest.raises(tp.PlannerError, match=r"wrapped by tensorplace\.compiled.*close\(\)"):
+                    call(m)
+    finally:
+        wrapper.close()
+    run = tp.run(model, plan)
+    run.close()

@@ -17,6 +17,7 @@ from cuda_exec.units import discover_units
 
 from ._core import PlannerError
 from .budget import Budget, format_bytes
+from .compiled_engine import refuse_wrapped
 from .planning import Plan, evaluate, plan_profile
 from .profiler import environment, environment_differences, profile_model
 from .runtime import DeltaRuntime, delta_from_plan
@@ -74,6 +75,7 @@ def plan(
     ``plan_profile`` (particles, iterations, seed, threads, ...). The profile is kept on the plan
     (``plan.profile``) and saved with it.
     """
+    refuse_wrapped(model, "tensorplace.plan")
     profile = profile_model(
         model, example_inputs, loss_fn=loss_fn, units=units, repeats=repeats, backend=backend, optimizer=optimizer
     )
@@ -389,6 +391,7 @@ def run(
     reported once with ``UnplannedMemoryWarning``, the bytes and the fix. ``hard_cap=True``: a
     budget that must hold; the step raises ``BudgetError`` instead when it would not.
     """
+    refuse_wrapped(model, "tensorplace.run")
     if isinstance(plan, DeltaRuntime):
         return DeltaModule(model, plan.budget_bytes, backend, units=units, verify=verify, **plan.executor_kwargs())
     if not isinstance(plan, Plan):

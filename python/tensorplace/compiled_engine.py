@@ -492,6 +492,7 @@ class CompiledPlan(nn.Module):
         super().__init__()
         from .planning import Plan
 
+        refuse_wrapped(model, "tensorplace.compiled")
         if not isinstance(plan, Plan):
             plan = Plan(plan) if isinstance(plan, dict) else Plan.load(plan)
         data = plan.to_dict()
@@ -625,6 +626,7 @@ class CompiledPlan(nn.Module):
                                                          **kwargs)
             return engine._eager_region(reg, original, context_fn, args, kwargs)
 
+        forward._tensorplace_region = True  # type: ignore[attr-defined]  # (wrapped_regions)
         return forward
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
@@ -723,6 +725,22 @@ class CompiledPlan(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def wrapped_regions(model: nn.Module) -> List[str]:
+    """Names of ``model``'s modules whose ``forward`` a live :class:`CompiledPlan` replaced (also
+    in a deep copy of such a model): profiling or planning them would measure the wrapper."""
+    return [n for n, m in model.named_modules() if getattr(m.__dict__.get("forward"), "_tensorplace_region", False)]
+
+
+def refuse_wrapped(model: nn.Module, what: str) -> None:
+    """Raise PlannerError if ``model`` has regions of a live compiled-engine wrapper."""
+    names = wrapped_regions(model)
+    if names:
+        raise PlannerError(
+            f"{what}: the model's modules {names[:3]} are wrapped by tensorplace.compiled (their forward runs under "
+            "its checkpoint policy); call close() on that wrapper first (a deep copy of a wrapped model keeps the "
+            "wrapping: copy the model before wrapping it)")
 
 
 def compiled(model: nn.Module, plan: Any, *, regions: Optional[Sequence[str]] = None,
