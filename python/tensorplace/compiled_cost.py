@@ -690,9 +690,10 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget: Any, loss_fn: O
 
     ``verify`` (default): the plan the model picks is compiled on the whole model and measured
     (:meth:`CompiledCostModel.verify`, one compile); if its measured peak exceeds the budget the
-    search is repeated with the model's budget lowered by the excess (at most ``tries`` times,
-    else BudgetError), and if the model over-predicted, once with the model's budget raised by the
-    over-prediction (kept if its measured peak fits). The plan's ``predicted`` peak and step are
+    search is repeated with the model's budget below that plan's estimate by the excess (``tries``
+    plans in all; then the fastest by the estimate of the plans measured so far that fit, the
+    calibration plans among them, else BudgetError), and if the model over-predicted, once with the
+    model's budget raised by the over-prediction (kept if its measured peak fits). The plan's ``predicted`` peak and step are
     then the measured ones of its compiled step; without ``verify`` they are the model's.
     ``plan.to_dict()["compiled_prediction"]`` has both (``model_peak_bytes``, ``peak_stage``,
     ``verified``)."""
@@ -708,15 +709,27 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget: Any, loss_fn: O
         m = cm.verify(actions)
         target = b
         left = max(1, int(tries))
-        while m["peak_bytes"] > b:
+        while m["peak_bytes"] > b and left > 1:
             left -= 1
-            if left <= 0:
+            # below this plan's estimate by its excess: the next search cannot pick it again
+            target = min(target, pred["peak_bytes"] - (m["peak_bytes"] - b) - 1)
+            try:
+                actions, pred = cm.search(target, options)
+            except BudgetError:
+                break
+            m = cm.verify(actions)
+        if m["peak_bytes"] > b:
+            # the plans measured so far (the calibration plans among them) that fit: the fastest
+            # by the estimate, of equal ones the one with the fewest recomputed units
+            fits = [list(k) for k, v in cm.verified.items() if v["peak_bytes"] <= b]
+            if not fits:
                 raise BudgetError(
                     f"the compiled engine's plans the cost model fits in {b} bytes measured above it (last: "
                     f"{m['peak_bytes']} bytes); use a larger budget")
-            target -= m["peak_bytes"] - b
-            actions, pred = cm.search(target, options)
+            actions = min(fits, key=lambda a: (cm.predict(a)["step_time"], sum(x == RECOMPUTE for x in a)))
+            pred = cm.predict(actions)
             m = cm.verify(actions)
+            target = pred["peak_bytes"]
         if pred["peak_bytes"] > m["peak_bytes"]:  # the model over-predicted: one looser try
             try:
                 looser, pred2 = cm.search(target + pred["peak_bytes"] - m["peak_bytes"], options)
