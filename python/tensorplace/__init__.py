@@ -16,6 +16,7 @@ budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches.
 from . import allocator, examples
 from .accumulate import accumulate
 from .compiled_engine import CompiledPathError, CompiledPlan, compiled
+from .compiled_cost import CompiledCostModel, plan_compiled
 from .api import plan, run
 from .unplanned_memory import UnplannedMemoryWarning
 from .runtime import DeltaRuntime, delta
@@ -36,6 +37,8 @@ from .planning import (
 __all__ = [
     "accumulate",
     "compiled",
+    "CompiledCostModel",
+    "plan_compiled",
     "CompiledPathError",
     "CompiledPlan",
     "allocation_sequence",
