@@ -211,6 +211,8 @@ pub struct Scratch {
     charged_value: Vec<usize>,
     /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
     replayed: Vec<bool>,
+    /// Per run (indexed by its first unit): the backward replays it (crate::incremental's bound).
+    replayed_run: Vec<bool>,
     /// Swap-outs in FIFO order: (completion time, item), item = unit | kind << KIND_SHIFT.
     queue: Vec<(f64, u32)>,
     /// Per unit: its swap-out is queued (after its first forward reader, where the executor
@@ -1093,10 +1095,7 @@ fn simulate<E: MemoryEvents>(
     }
 
     // Runs of consecutive recomputed units, and what each recomputed unit holds under this plan.
-    for u in 0..n {
-        let joins = u > 0 && !starts[u] && actions[u] == Action::Recompute && actions[u - 1] == Action::Recompute;
-        sim.s.run_start[u] = if joins { sim.s.run_start[u - 1] } else { u };
-    }
+    run_starts(actions, starts, &mut sim.s.run_start);
     for u in 0..n {
         if actions[u] != Action::Recompute {
             continue;
@@ -1181,6 +1180,12 @@ fn simulate<E: MemoryEvents>(
                 }
             }
             u = end + 1;
+        }
+    }
+
+    if let Some(h) = hooks.as_deref_mut() {
+        if h.bound.is_some() {
+            h.replays = replay_time_of(g, actions, &sim.s.run_start, &mut sim.s.replayed_run);
         }
     }
 
@@ -1578,11 +1583,15 @@ pub(crate) struct Hooks<'h> {
     pub first_slot: usize,
     pub save: &'h mut [SimState],
     /// Stop as soon as the plan cannot beat this score: after stage Fi its step ends no sooner
-    /// than now plus `rest_after_fwd[i]` (the stage times still to run), after Bi
-    /// `rest_after_bwd[i]`, and its excess over the budget never shrinks.
+    /// than now plus `rest_after_fwd[i]` (the stage times still to run) plus `replays`, after
+    /// Bi `rest_after_bwd[i]` plus the replays not run yet, and its excess over the budget
+    /// never shrinks.
     pub bound: Option<Score>,
     pub rest_after_fwd: &'h [f64],
     pub rest_after_bwd: &'h [f64],
+    /// The forward time of the units the backward replays (set by the simulation with a bound:
+    /// [`replay_time`]).
+    pub replays: f64,
     /// Forward and backward stages simulated (counted at their end).
     pub stages: u64,
     /// The plan swaps (set by [`score_hooked`]): until a stage first overflows, a later first
@@ -1615,18 +1624,22 @@ impl Hooks<'_> {
     fn cannot_beat<E: MemoryEvents>(&mut self, sim: &Sim<E>, stage: Stage) -> bool {
         self.stages += 1;
         let Some(b) = self.bound else { return false };
-        let rest = match stage {
-            Stage::Fwd(i) => self.rest_after_fwd[i],
-            Stage::Bwd(i) => self.rest_after_bwd[i],
+        // Still to run: the stage times, and the replays (each adds at least its unit's forward
+        // time to the clock; which units the backward replays follows from the plan alone).
+        let (rest, forward) = match stage {
+            Stage::Fwd(i) => (self.rest_after_fwd[i] + self.replays, true),
+            Stage::Bwd(i) => (self.rest_after_bwd[i] + (self.replays - sim.recompute), false),
             _ => return false,
         };
         // The step is simulated again when its first overflow blamed prefetches issued ahead of
         // their need (run_with_events); before a first overflow, a plan with swaps may still
-        // have one. Only a run that is the last one is stopped (so the score is the full one's).
+        // have one. Only a run that is the last one is stopped (so the score is the full one's),
+        // or a forward stage: every run simulates the same forward (prefetches are issued in the
+        // backward), so its clock and excess bound the last run's as well.
         if !sim.s.retract.is_empty() {
             return false;
         }
-        let last_run = sim.reason.is_some() || !self.swaps;
+        let last_run = forward || sim.reason.is_some() || !self.swaps;
         let slower = last_run && sim.t + rest > b.time + b.time.abs() * 1e-9;
         if b.feasible {
             sim.excess > 0 || slower
@@ -1634,6 +1647,54 @@ impl Hooks<'_> {
             sim.excess > b.excess || (sim.excess == b.excess && slower)
         }
     }
+}
+
+/// Per unit, the first unit of the run of consecutive recomputed units that contains it (itself
+/// when it is not recomputed); `starts[u]` splits a run before u.
+fn run_starts(actions: &[Action], starts: &[bool], run_start: &mut [usize]) {
+    for u in 0..actions.len() {
+        let joins = u > 0 && !starts[u] && actions[u] == Action::Recompute && actions[u - 1] == Action::Recompute;
+        run_start[u] = if joins { run_start[u - 1] } else { u };
+    }
+}
+
+/// The forward time of every unit the backward replays under `actions` and segment `starts`:
+/// its simulation's recompute time (`Outcome::recompute`), added up in unit order. The search's
+/// bound counts it as still to run before the backward (crate::incremental).
+pub fn replay_time(g: &Graph, actions: &[Action], starts: &[bool]) -> f64 {
+    let mut run_start = vec![0; g.n];
+    run_starts(actions, starts, &mut run_start);
+    replay_time_of(g, actions, &run_start, &mut Vec::new())
+}
+
+/// [`replay_time`] from the plan's runs (`run_start`): a run of recomputed units is replayed,
+/// every unit of it once, when the backward first makes one of its units resident, and when a
+/// unit of it reads what a recomputed unit of an earlier segment saved (the simulation's
+/// backward stages: `ensure`, `replay_run`). Which runs those are follows from the plan alone,
+/// not from when anything happens.
+fn replay_time_of(g: &Graph, actions: &[Action], run_start: &[usize], replayed_run: &mut Vec<bool>) -> f64 {
+    let n = g.n;
+    replayed_run.clear();
+    replayed_run.resize(n, false);
+    for r in 0..n {
+        for &u in &g.needs[r] {
+            if actions[u] != Action::Recompute {
+                continue;
+            }
+            if actions[r] == Action::Recompute && u < run_start[r] {
+                replayed_run[run_start[r]] = true;
+            } else {
+                replayed_run[run_start[u]] = true;
+            }
+        }
+    }
+    let mut time = 0.0;
+    for u in 0..n {
+        if actions[u] == Action::Recompute && replayed_run[run_start[u]] {
+            time += g.fwd_time[u];
+        }
+    }
+    time
 }
 
 /// A search evaluation with hooks: the plan's score, or None when it stopped because the plan
