@@ -303,18 +303,16 @@ impl Scratch {
     }
 
     fn reset(&mut self, n: usize) {
-        self.resident.clear();
-        self.resident.resize(n, false);
-        self.host.clear();
-        self.host.resize(n, false);
-        self.ready.clear();
-        self.ready.resize(n, 0.0);
-        self.in_queue.clear();
-        self.in_queue.resize(n, false);
-        self.held.clear();
-        self.held.resize(n, false);
-        self.lingering.clear();
-        self.lingering.resize(n, 0);
+        self.reset_for(n, false, true);
+    }
+
+    /// Before a run: the plan's per-unit values, and (unless `restored`: a saved state sets
+    /// them, and they have `n` entries) the simulation's state; the swapped parameters' and
+    /// optimizer state's only when `state_swaps` (nothing reads them otherwise).
+    fn reset_for(&mut self, n: usize, restored: bool, state_swaps: bool) {
+        if !(restored && self.resident.len() == n) {
+            self.reset_state(n);
+        }
         self.run_start.clear();
         self.run_start.resize(n, 0);
         self.held_bytes.clear();
@@ -330,6 +328,34 @@ impl Scratch {
         self.charged_run.clear();
         self.charged_run.resize(n, usize::MAX);
         self.charged_value.clear();
+        if state_swaps {
+            for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
+                v.clear();
+                v.resize(n, false);
+            }
+            for v in [&mut self.param_ready, &mut self.state_ready] {
+                v.clear();
+                v.resize(n, 0.0);
+            }
+        }
+        self.early.clear();
+        self.retract.clear();
+    }
+
+    /// What a saved state holds (`SimState`), as at the step's start.
+    fn reset_state(&mut self, n: usize) {
+        self.resident.clear();
+        self.resident.resize(n, false);
+        self.host.clear();
+        self.host.resize(n, false);
+        self.ready.clear();
+        self.ready.resize(n, 0.0);
+        self.in_queue.clear();
+        self.in_queue.resize(n, false);
+        self.held.clear();
+        self.held.resize(n, false);
+        self.lingering.clear();
+        self.lingering.resize(n, 0);
         self.replayed.clear();
         self.replayed.resize(n, false);
         self.queue.clear();
@@ -339,16 +365,28 @@ impl Scratch {
         self.pending.clear();
         self.pending_of.clear();
         self.pending_of.resize(n, usize::MAX);
-        for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
-            v.clear();
-            v.resize(n, false);
+    }
+}
+
+/// Why a step does not fit: the first stage that overflowed (its needs and the excess), or the
+/// constant memory.
+#[derive(Debug, Clone, Copy)]
+enum Overflow {
+    Constant(u64),
+    Stage(Stage, u64, u64),
+}
+
+impl Overflow {
+    fn reason(self) -> String {
+        match self {
+            Overflow::Constant(constant) => format!("the constant memory ({constant} bytes) alone exceeds the budget"),
+            Overflow::Stage(stage, total, over) => format!(
+                "stage {} needs {} bytes with nothing left to swap out, over the budget by {} bytes",
+                stage.label(),
+                total,
+                over
+            ),
         }
-        for v in [&mut self.param_ready, &mut self.state_ready] {
-            v.clear();
-            v.resize(n, 0.0);
-        }
-        self.early.clear();
-        self.retract.clear();
     }
 }
 
@@ -379,7 +417,8 @@ struct Sim<'a, E: MemoryEvents> {
     copy_time: f64,
     cancelled: usize,
     excess: u64,
-    reason: Option<String>,
+    /// The first overflow (written out in the outcome only).
+    reason: Option<Overflow>,
     stage: Stage,
     stage_start_mem: u64,
     stage_peak: u64,
@@ -509,12 +548,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         if total > self.budget {
             let over = total - self.budget;
             if self.excess == 0 && self.reason.is_none() {
-                self.reason = Some(format!(
-                    "stage {} needs {} bytes with nothing left to swap out, over the budget by {} bytes",
-                    self.stage.label(),
-                    total,
-                    over
-                ));
+                self.reason = Some(Overflow::Stage(self.stage, total, over));
                 self.blame_early_prefetches();
             }
             self.excess = self.excess.max(over);
@@ -1046,11 +1080,12 @@ fn simulate<E: MemoryEvents>(
     assert_eq!(actions.len(), g.n, "one action per unit");
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
-    scratch.reset(n);
-    scratch.charged_value.resize(g.value_ids, usize::MAX);
     // Swapped parameters and optimizer state are on the host when the step starts; when each
     // prefetch is issued (crate::state_swap).
     let schedule = StateSchedule::new(g, swaps);
+    let restored = hooks.as_deref().is_some_and(|h| h.resume.is_some());
+    scratch.reset_for(n, restored, schedule.any);
+    scratch.charged_value.resize(g.value_ids, usize::MAX);
     let constant = g.constant - schedule.host_bytes;
     let mut sim = Sim {
         g,
@@ -1089,9 +1124,7 @@ fn simulate<E: MemoryEvents>(
     };
     if constant > budget {
         sim.excess = constant - budget;
-        sim.reason = Some(format!(
-            "the constant memory ({constant} bytes) alone exceeds the budget"
-        ));
+        sim.reason = Some(Overflow::Constant(constant));
     }
 
     // Runs of consecutive recomputed units, and what each recomputed unit holds under this plan.
@@ -1200,10 +1233,10 @@ fn simulate<E: MemoryEvents>(
         }
         let t0 = sim.t;
         sim.begin_stage(Stage::Fwd(i));
-        for k in 0..schedule.at_fwd[i].len() {
-            sim.prefetch_state(Moved::Parameters, schedule.at_fwd[i][k]);
+        for &u in schedule.at_fwd(i) {
+            sim.prefetch_state(Moved::Parameters, u);
         }
-        if schedule.params[i] {
+        if schedule.param(i) {
             sim.ensure_state(Moved::Parameters, i);
         }
         let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
@@ -1296,8 +1329,8 @@ fn simulate<E: MemoryEvents>(
     for i in (0..n).rev() {
         let t0 = sim.t;
         sim.begin_stage(Stage::Bwd(i));
-        for k in 0..schedule.at_bwd[i].len() {
-            sim.prefetch_state(Moved::OptimizerState, schedule.at_bwd[i][k]);
+        for &u in schedule.at_bwd(i) {
+            sim.prefetch_state(Moved::OptimizerState, u);
         }
         // The loss's backward runs before the stage's first node, so before the prefetches the
         // executor issues there and before the stage's replays.
@@ -1389,10 +1422,10 @@ fn simulate<E: MemoryEvents>(
     for (k, &u) in chunks.iter().enumerate() {
         let t0 = sim.t;
         sim.begin_stage(Stage::Opt(u));
-        for j in 0..schedule.at_opt[k].len() {
-            sim.prefetch_state(Moved::OptimizerState, schedule.at_opt[k][j]);
+        for &v in schedule.at_opt(k) {
+            sim.prefetch_state(Moved::OptimizerState, v);
         }
-        if u < n && schedule.states[u] {
+        if schedule.state(u) {
             sim.ensure_state(Moved::OptimizerState, u);
         }
         let (time, transient) = g.opt_stage(u);
@@ -1400,10 +1433,10 @@ fn simulate<E: MemoryEvents>(
         sim.ev.alloc(What::OptWork(u), transient, sim.t);
         sim.t += time;
         sim.ev.free(What::OptWork(u), sim.t);
-        if u < n && schedule.params[u] {
+        if schedule.param(u) {
             sim.swap_out_state(Moved::Parameters, u);
         }
-        if u < n && schedule.states[u] {
+        if schedule.state(u) {
             sim.swap_out_state(Moved::OptimizerState, u);
         }
         sim.touch(sim.mem);
@@ -1438,7 +1471,7 @@ fn simulate<E: MemoryEvents>(
         end_bytes: sim.mem,
         feasible,
         excess: sim.excess,
-        reason: if feasible { None } else { sim.reason },
+        reason: if feasible { None } else { sim.reason.map(Overflow::reason) },
         curve: sim.curve,
         prefetch: sim.prefetch,
         swap_deadlines: sim.deadlines,
@@ -1494,7 +1527,7 @@ pub struct SimState {
     copy_time: f64,
     cancelled: usize,
     excess: u64,
-    reason: Option<String>,
+    reason: Option<Overflow>,
     resident: Vec<bool>,
     host: Vec<bool>,
     ready: Vec<f64>,
@@ -1525,7 +1558,7 @@ impl SimState {
         self.copy_time = sim.copy_time;
         self.cancelled = sim.cancelled;
         self.excess = sim.excess;
-        self.reason.clone_from(&sim.reason);
+        self.reason = sim.reason;
         let s = &sim.s;
         self.resident.clone_from(&s.resident);
         self.host.clone_from(&s.host);
@@ -1555,7 +1588,7 @@ impl SimState {
         sim.copy_time = self.copy_time;
         sim.cancelled = self.cancelled;
         sim.excess = self.excess;
-        sim.reason.clone_from(&self.reason);
+        sim.reason = self.reason;
         let s = &mut sim.s;
         s.resident.copy_from_slice(&self.resident);
         s.host.copy_from_slice(&self.host);
