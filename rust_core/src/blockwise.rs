@@ -30,7 +30,7 @@
 use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{EvalOptions, Score};
-use crate::polish::Polisher;
+use crate::polish::{Memos, Polisher};
 use crate::profile::Graph;
 use crate::pso::{pipeline, Phase, PsoSettings, Trace};
 use crate::space::Space;
@@ -151,9 +151,11 @@ pub fn search(
     if !settings.polish {
         return keep_seed(best);
     }
+    let mut memos = Memos::new(g.n, settings.memo);
     for (k, space) in spaces.iter().enumerate().skip(1) {
         let clock = Instant::now();
         let mut polisher = Polisher::new(g, budget, opts, pool, space);
+        polisher.memos = std::mem::take(&mut memos);
         let optimal = polisher.is_optimal(&best.1);
         if optimal && k + 1 < spaces.len() {
             // No plan is faster: only the last level's tidy is left.
@@ -166,6 +168,7 @@ pub fn search(
         if s.better_than(&best.1) || optimal {
             best = (p, s);
         }
+        memos = std::mem::take(&mut polisher.memos);
         trace.phases.push(Phase {
             name: format!("blocks:{} {} dims", if optimal { "tidy" } else { "polish" }, space.dims()),
             seconds: clock.elapsed().as_secs_f64(),

@@ -211,6 +211,8 @@ pub struct Scratch {
     charged_value: Vec<usize>,
     /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
     replayed: Vec<bool>,
+    /// Per run (indexed by its first unit): the backward replays it (crate::incremental's bound).
+    replayed_run: Vec<bool>,
     /// Swap-outs in FIFO order: (completion time, item), item = unit | kind << KIND_SHIFT.
     queue: Vec<(f64, u32)>,
     /// Per unit: its swap-out is queued (after its first forward reader, where the executor
@@ -301,18 +303,16 @@ impl Scratch {
     }
 
     fn reset(&mut self, n: usize) {
-        self.resident.clear();
-        self.resident.resize(n, false);
-        self.host.clear();
-        self.host.resize(n, false);
-        self.ready.clear();
-        self.ready.resize(n, 0.0);
-        self.in_queue.clear();
-        self.in_queue.resize(n, false);
-        self.held.clear();
-        self.held.resize(n, false);
-        self.lingering.clear();
-        self.lingering.resize(n, 0);
+        self.reset_for(n, false, true);
+    }
+
+    /// Before a run: the plan's per-unit values, and (unless `restored`: a saved state sets
+    /// them, and they have `n` entries) the simulation's state; the swapped parameters' and
+    /// optimizer state's only when `state_swaps` (nothing reads them otherwise).
+    fn reset_for(&mut self, n: usize, restored: bool, state_swaps: bool) {
+        if !(restored && self.resident.len() == n) {
+            self.reset_state(n);
+        }
         self.run_start.clear();
         self.run_start.resize(n, 0);
         self.held_bytes.clear();
@@ -328,6 +328,34 @@ impl Scratch {
         self.charged_run.clear();
         self.charged_run.resize(n, usize::MAX);
         self.charged_value.clear();
+        if state_swaps {
+            for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
+                v.clear();
+                v.resize(n, false);
+            }
+            for v in [&mut self.param_ready, &mut self.state_ready] {
+                v.clear();
+                v.resize(n, 0.0);
+            }
+        }
+        self.early.clear();
+        self.retract.clear();
+    }
+
+    /// What a saved state holds (`SimState`), as at the step's start.
+    fn reset_state(&mut self, n: usize) {
+        self.resident.clear();
+        self.resident.resize(n, false);
+        self.host.clear();
+        self.host.resize(n, false);
+        self.ready.clear();
+        self.ready.resize(n, 0.0);
+        self.in_queue.clear();
+        self.in_queue.resize(n, false);
+        self.held.clear();
+        self.held.resize(n, false);
+        self.lingering.clear();
+        self.lingering.resize(n, 0);
         self.replayed.clear();
         self.replayed.resize(n, false);
         self.queue.clear();
@@ -337,16 +365,28 @@ impl Scratch {
         self.pending.clear();
         self.pending_of.clear();
         self.pending_of.resize(n, usize::MAX);
-        for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
-            v.clear();
-            v.resize(n, false);
+    }
+}
+
+/// Why a step does not fit: the first stage that overflowed (its needs and the excess), or the
+/// constant memory.
+#[derive(Debug, Clone, Copy)]
+enum Overflow {
+    Constant(u64),
+    Stage(Stage, u64, u64),
+}
+
+impl Overflow {
+    fn reason(self) -> String {
+        match self {
+            Overflow::Constant(constant) => format!("the constant memory ({constant} bytes) alone exceeds the budget"),
+            Overflow::Stage(stage, total, over) => format!(
+                "stage {} needs {} bytes with nothing left to swap out, over the budget by {} bytes",
+                stage.label(),
+                total,
+                over
+            ),
         }
-        for v in [&mut self.param_ready, &mut self.state_ready] {
-            v.clear();
-            v.resize(n, 0.0);
-        }
-        self.early.clear();
-        self.retract.clear();
     }
 }
 
@@ -377,7 +417,8 @@ struct Sim<'a, E: MemoryEvents> {
     copy_time: f64,
     cancelled: usize,
     excess: u64,
-    reason: Option<String>,
+    /// The first overflow (written out in the outcome only).
+    reason: Option<Overflow>,
     stage: Stage,
     stage_start_mem: u64,
     stage_peak: u64,
@@ -507,12 +548,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         if total > self.budget {
             let over = total - self.budget;
             if self.excess == 0 && self.reason.is_none() {
-                self.reason = Some(format!(
-                    "stage {} needs {} bytes with nothing left to swap out, over the budget by {} bytes",
-                    self.stage.label(),
-                    total,
-                    over
-                ));
+                self.reason = Some(Overflow::Stage(self.stage, total, over));
                 self.blame_early_prefetches();
             }
             self.excess = self.excess.max(over);
@@ -1044,11 +1080,12 @@ fn simulate<E: MemoryEvents>(
     assert_eq!(actions.len(), g.n, "one action per unit");
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
     let n = g.n;
-    scratch.reset(n);
-    scratch.charged_value.resize(g.value_ids, usize::MAX);
     // Swapped parameters and optimizer state are on the host when the step starts; when each
     // prefetch is issued (crate::state_swap).
     let schedule = StateSchedule::new(g, swaps);
+    let restored = hooks.as_deref().is_some_and(|h| h.resume.is_some());
+    scratch.reset_for(n, restored, schedule.any);
+    scratch.charged_value.resize(g.value_ids, usize::MAX);
     let constant = g.constant - schedule.host_bytes;
     let mut sim = Sim {
         g,
@@ -1087,16 +1124,11 @@ fn simulate<E: MemoryEvents>(
     };
     if constant > budget {
         sim.excess = constant - budget;
-        sim.reason = Some(format!(
-            "the constant memory ({constant} bytes) alone exceeds the budget"
-        ));
+        sim.reason = Some(Overflow::Constant(constant));
     }
 
     // Runs of consecutive recomputed units, and what each recomputed unit holds under this plan.
-    for u in 0..n {
-        let joins = u > 0 && !starts[u] && actions[u] == Action::Recompute && actions[u - 1] == Action::Recompute;
-        sim.s.run_start[u] = if joins { sim.s.run_start[u - 1] } else { u };
-    }
+    run_starts(actions, starts, &mut sim.s.run_start);
     for u in 0..n {
         if actions[u] != Action::Recompute {
             continue;
@@ -1184,6 +1216,12 @@ fn simulate<E: MemoryEvents>(
         }
     }
 
+    if let Some(h) = hooks.as_deref_mut() {
+        if h.bound.is_some() {
+            h.replays = replay_time_of(g, actions, &sim.s.run_start, &mut sim.s.replayed_run);
+        }
+    }
+
     // Forward stages (from a saved state's stage when resuming).
     let first = match hooks.as_deref_mut() {
         Some(h) => h.resume(&mut sim),
@@ -1195,10 +1233,10 @@ fn simulate<E: MemoryEvents>(
         }
         let t0 = sim.t;
         sim.begin_stage(Stage::Fwd(i));
-        for k in 0..schedule.at_fwd[i].len() {
-            sim.prefetch_state(Moved::Parameters, schedule.at_fwd[i][k]);
+        for &u in schedule.at_fwd(i) {
+            sim.prefetch_state(Moved::Parameters, u);
         }
-        if schedule.params[i] {
+        if schedule.param(i) {
             sim.ensure_state(Moved::Parameters, i);
         }
         let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
@@ -1291,8 +1329,8 @@ fn simulate<E: MemoryEvents>(
     for i in (0..n).rev() {
         let t0 = sim.t;
         sim.begin_stage(Stage::Bwd(i));
-        for k in 0..schedule.at_bwd[i].len() {
-            sim.prefetch_state(Moved::OptimizerState, schedule.at_bwd[i][k]);
+        for &u in schedule.at_bwd(i) {
+            sim.prefetch_state(Moved::OptimizerState, u);
         }
         // The loss's backward runs before the stage's first node, so before the prefetches the
         // executor issues there and before the stage's replays.
@@ -1384,10 +1422,10 @@ fn simulate<E: MemoryEvents>(
     for (k, &u) in chunks.iter().enumerate() {
         let t0 = sim.t;
         sim.begin_stage(Stage::Opt(u));
-        for j in 0..schedule.at_opt[k].len() {
-            sim.prefetch_state(Moved::OptimizerState, schedule.at_opt[k][j]);
+        for &v in schedule.at_opt(k) {
+            sim.prefetch_state(Moved::OptimizerState, v);
         }
-        if u < n && schedule.states[u] {
+        if schedule.state(u) {
             sim.ensure_state(Moved::OptimizerState, u);
         }
         let (time, transient) = g.opt_stage(u);
@@ -1395,10 +1433,10 @@ fn simulate<E: MemoryEvents>(
         sim.ev.alloc(What::OptWork(u), transient, sim.t);
         sim.t += time;
         sim.ev.free(What::OptWork(u), sim.t);
-        if u < n && schedule.params[u] {
+        if schedule.param(u) {
             sim.swap_out_state(Moved::Parameters, u);
         }
-        if u < n && schedule.states[u] {
+        if schedule.state(u) {
             sim.swap_out_state(Moved::OptimizerState, u);
         }
         sim.touch(sim.mem);
@@ -1433,7 +1471,7 @@ fn simulate<E: MemoryEvents>(
         end_bytes: sim.mem,
         feasible,
         excess: sim.excess,
-        reason: if feasible { None } else { sim.reason },
+        reason: if feasible { None } else { sim.reason.map(Overflow::reason) },
         curve: sim.curve,
         prefetch: sim.prefetch,
         swap_deadlines: sim.deadlines,
@@ -1489,7 +1527,7 @@ pub struct SimState {
     copy_time: f64,
     cancelled: usize,
     excess: u64,
-    reason: Option<String>,
+    reason: Option<Overflow>,
     resident: Vec<bool>,
     host: Vec<bool>,
     ready: Vec<f64>,
@@ -1520,7 +1558,7 @@ impl SimState {
         self.copy_time = sim.copy_time;
         self.cancelled = sim.cancelled;
         self.excess = sim.excess;
-        self.reason.clone_from(&sim.reason);
+        self.reason = sim.reason;
         let s = &sim.s;
         self.resident.clone_from(&s.resident);
         self.host.clone_from(&s.host);
@@ -1550,7 +1588,7 @@ impl SimState {
         sim.copy_time = self.copy_time;
         sim.cancelled = self.cancelled;
         sim.excess = self.excess;
-        sim.reason.clone_from(&self.reason);
+        sim.reason = self.reason;
         let s = &mut sim.s;
         s.resident.copy_from_slice(&self.resident);
         s.host.copy_from_slice(&self.host);
@@ -1578,11 +1616,15 @@ pub(crate) struct Hooks<'h> {
     pub first_slot: usize,
     pub save: &'h mut [SimState],
     /// Stop as soon as the plan cannot beat this score: after stage Fi its step ends no sooner
-    /// than now plus `rest_after_fwd[i]` (the stage times still to run), after Bi
-    /// `rest_after_bwd[i]`, and its excess over the budget never shrinks.
+    /// than now plus `rest_after_fwd[i]` (the stage times still to run) plus `replays`, after
+    /// Bi `rest_after_bwd[i]` plus the replays not run yet, and its excess over the budget
+    /// never shrinks.
     pub bound: Option<Score>,
     pub rest_after_fwd: &'h [f64],
     pub rest_after_bwd: &'h [f64],
+    /// The forward time of the units the backward replays (set by the simulation with a bound:
+    /// [`replay_time`]).
+    pub replays: f64,
     /// Forward and backward stages simulated (counted at their end).
     pub stages: u64,
     /// The plan swaps (set by [`score_hooked`]): until a stage first overflows, a later first
@@ -1615,18 +1657,22 @@ impl Hooks<'_> {
     fn cannot_beat<E: MemoryEvents>(&mut self, sim: &Sim<E>, stage: Stage) -> bool {
         self.stages += 1;
         let Some(b) = self.bound else { return false };
-        let rest = match stage {
-            Stage::Fwd(i) => self.rest_after_fwd[i],
-            Stage::Bwd(i) => self.rest_after_bwd[i],
+        // Still to run: the stage times, and the replays (each adds at least its unit's forward
+        // time to the clock; which units the backward replays follows from the plan alone).
+        let (rest, forward) = match stage {
+            Stage::Fwd(i) => (self.rest_after_fwd[i] + self.replays, true),
+            Stage::Bwd(i) => (self.rest_after_bwd[i] + (self.replays - sim.recompute), false),
             _ => return false,
         };
         // The step is simulated again when its first overflow blamed prefetches issued ahead of
         // their need (run_with_events); before a first overflow, a plan with swaps may still
-        // have one. Only a run that is the last one is stopped (so the score is the full one's).
+        // have one. Only a run that is the last one is stopped (so the score is the full one's),
+        // or a forward stage: every run simulates the same forward (prefetches are issued in the
+        // backward), so its clock and excess bound the last run's as well.
         if !sim.s.retract.is_empty() {
             return false;
         }
-        let last_run = sim.reason.is_some() || !self.swaps;
+        let last_run = forward || sim.reason.is_some() || !self.swaps;
         let slower = last_run && sim.t + rest > b.time + b.time.abs() * 1e-9;
         if b.feasible {
             sim.excess > 0 || slower
@@ -1634,6 +1680,54 @@ impl Hooks<'_> {
             sim.excess > b.excess || (sim.excess == b.excess && slower)
         }
     }
+}
+
+/// Per unit, the first unit of the run of consecutive recomputed units that contains it (itself
+/// when it is not recomputed); `starts[u]` splits a run before u.
+fn run_starts(actions: &[Action], starts: &[bool], run_start: &mut [usize]) {
+    for u in 0..actions.len() {
+        let joins = u > 0 && !starts[u] && actions[u] == Action::Recompute && actions[u - 1] == Action::Recompute;
+        run_start[u] = if joins { run_start[u - 1] } else { u };
+    }
+}
+
+/// The forward time of every unit the backward replays under `actions` and segment `starts`:
+/// its simulation's recompute time (`Outcome::recompute`), added up in unit order. The search's
+/// bound counts it as still to run before the backward (crate::incremental).
+pub fn replay_time(g: &Graph, actions: &[Action], starts: &[bool]) -> f64 {
+    let mut run_start = vec![0; g.n];
+    run_starts(actions, starts, &mut run_start);
+    replay_time_of(g, actions, &run_start, &mut Vec::new())
+}
+
+/// [`replay_time`] from the plan's runs (`run_start`): a run of recomputed units is replayed,
+/// every unit of it once, when the backward first makes one of its units resident, and when a
+/// unit of it reads what a recomputed unit of an earlier segment saved (the simulation's
+/// backward stages: `ensure`, `replay_run`). Which runs those are follows from the plan alone,
+/// not from when anything happens.
+fn replay_time_of(g: &Graph, actions: &[Action], run_start: &[usize], replayed_run: &mut Vec<bool>) -> f64 {
+    let n = g.n;
+    replayed_run.clear();
+    replayed_run.resize(n, false);
+    for r in 0..n {
+        for &u in &g.needs[r] {
+            if actions[u] != Action::Recompute {
+                continue;
+            }
+            if actions[r] == Action::Recompute && u < run_start[r] {
+                replayed_run[run_start[r]] = true;
+            } else {
+                replayed_run[run_start[u]] = true;
+            }
+        }
+    }
+    let mut time = 0.0;
+    for u in 0..n {
+        if actions[u] == Action::Recompute && replayed_run[run_start[u]] {
+            time += g.fwd_time[u];
+        }
+    }
+    time
 }
 
 /// A search evaluation with hooks: the plan's score, or None when it stopped because the plan

@@ -16,15 +16,18 @@
 //! The bound: a search only needs to know whether a move beats a score (the current plan's, the
 //! other candidate's). The step time only grows (stage times, stalls and replays are never
 //! negative) and the excess over the budget never shrinks, so after each stage the simulation
-//! stops when even the stage times still to run cannot bring the plan under the bound's time, or
-//! its excess already rules it out (crate::evaluator's `Hooks`). Such a move is strictly worse
-//! than the bound, which is all the search uses.
+//! stops when even the stage times and replays still to run cannot bring the plan under the
+//! bound's time, or its excess already rules it out (crate::evaluator's `Hooks`). Which units the
+//! backward replays follows from the plan alone, so their forward times are known before it
+//! runs. Such a move is strictly worse than the bound, which is all the search uses (crate::memo
+//! keeps it as such).
 //!
 //! A step whose first overflow blames prefetches issued ahead of their need is simulated again
 //! with them issued later (crate::evaluator's `run_with_events`); the hooked evaluation does the
 //! same, each run resumed from the same state (prefetches are issued in the backward only), and
 //! stops a run early only when no such retry can follow: after a first overflow that blamed
-//! none, or, before any overflow, in a plan without swaps.
+//! none, or, before any overflow, in a plan without swaps; or in the forward, which every run
+//! simulates alike.
 //!
 //! Both only skip work: a resumed simulation is the full one's, bit for bit (tested on random
 //! moves over random profiles, rust_core/tests/incremental.rs).
@@ -196,6 +199,7 @@ impl<'a> Context<'a> {
             rest_after_bwd: &self.rest_after_bwd,
             stages: 0,
             swaps: false,
+            replays: 0.0,
         };
         let s = score_hooked(self.g, plan, self.starts, self.budget, self.opts, &mut w.scratch, &mut hooks);
         w.stages += hooks.stages;

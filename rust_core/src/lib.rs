@@ -9,7 +9,8 @@
 //!   after it; [`relink`]: path relinking between polished plans, last; [`blockwise`]: the
 //!   search of models of repeated blocks, one plan per class of blocks first; [`space`]: the
 //!   dimensions these searches move in.
-//! - [`incremental`]: the search's moves evaluated from saved states, stopped by a bound.
+//! - [`incremental`]: the search's moves evaluated from saved states, stopped by a bound;
+//!   [`memo`]: the scores the search already knows.
 //! - [`exhaustive`]: every plan of a tiny profile.
 //! - [`methods`]: the heuristic planners of the papers (Capuchin, SuperNeurons, vDNN, TENSILE).
 //! - [`recipes`]: per-block and sqrt(n) checkpointing as plans.
@@ -27,6 +28,7 @@ pub mod error;
 pub mod evaluator;
 pub mod exhaustive;
 pub mod incremental;
+pub mod memo;
 pub mod memory_curve;
 pub mod methods;
 pub mod peak;

@@ -27,10 +27,13 @@
 //! Every step only replaces the plan with a better one, so the polish never makes PSO's result
 //! worse. Scans are evaluated in parallel in fixed batches and the first improvement in scan
 //! order is taken, so the result and the evaluation count do not depend on the thread count.
+//! A plan evaluated before (by this polish, an earlier one, restarts or relinking of the same
+//! search) is answered from what that evaluation found (crate::memo), the same answer.
 
 use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
 use crate::incremental::{Base, Context, Worker};
+use crate::memo::{normalized, ScoreMemo};
 use crate::profile::Graph;
 use crate::space::Space;
 use rayon::prelude::*;
@@ -85,8 +88,38 @@ impl Move {
     }
 }
 
+/// The scores the polish knows (crate::memo), under the budget and with unlimited memory; passed
+/// from one polisher to the next of a search.
+#[derive(Debug, Default)]
+pub struct Memos {
+    budget: ScoreMemo,
+    free: ScoreMemo,
+}
+
+impl Memos {
+    /// For plans of `n` units; a disabled memo knows nothing (every plan is evaluated).
+    pub fn new(n: usize, enabled: bool) -> Memos {
+        Memos { budget: ScoreMemo::new(n, enabled), free: ScoreMemo::new(n, enabled) }
+    }
+
+    /// Questions answered without an evaluation.
+    pub fn hits(&self) -> u64 {
+        self.budget.hits + self.free.hits
+    }
+}
+
+/// Start `memo`'s key at its loaded plan with `m` applied.
+fn key_of_move(memo: &mut ScoreMemo, space: &Space, m: &Move) {
+    memo.start();
+    for (k, a) in std::iter::once(m.first).chain(m.second) {
+        for &u in space.group(k) {
+            memo.set(u, a);
+        }
+    }
+}
+
 /// The local search's state: the evaluator's inputs, the current plans' saved states
-/// (crate::incremental) and the evaluations made so far.
+/// (crate::incremental), the scores known (crate::memo) and the evaluations made so far.
 pub(crate) struct Polisher<'a> {
     g: &'a Graph,
     space: &'a Space,
@@ -97,6 +130,8 @@ pub(crate) struct Polisher<'a> {
     base: Option<Base>,
     free_base: Option<Base>,
     worker: Worker,
+    /// Scores known: a plan evaluated again is answered from here (the same answer).
+    pub(crate) memos: Memos,
     evaluations: u64,
     /// Stages simulated by the parallel scans (the worker counts the rest).
     stages: u64,
@@ -125,6 +160,7 @@ impl<'a> Polisher<'a> {
             base: None,
             free_base: None,
             worker: Worker::new(g.n),
+            memos: Memos::default(),
             evaluations: 0,
             stages: 0,
             swappable,
@@ -159,20 +195,43 @@ impl<'a> Polisher<'a> {
     fn ensure_base(&mut self, plan: &[Action], free: bool) {
         let (ctx, slot) = if free { (&self.free_ctx, &mut self.free_base) } else { (&self.ctx, &mut self.base) };
         match slot {
-            Some(b) if b.plan == plan => {}
+            Some(b) if b.plan == plan => return,
             Some(b) => ctx.rebase(b, plan, &mut self.worker),
             None => *slot = Some(ctx.base(plan, &mut self.worker)),
+        }
+        let score = slot.as_ref().expect("a base").score;
+        let memo = if free { &mut self.memos.free } else { &mut self.memos.budget };
+        if memo.enabled() {
+            memo.start_at(plan);
+            memo.put(None, Some(score));
         }
     }
 
     /// Set dimension `k` of `plan` to `a` and score it (None: strictly worse than `bound`). The
     /// change stays; the caller undoes it.
     fn set_and_score(&mut self, plan: &mut [Action], k: usize, a: Action, bound: Option<Score>) -> Option<Score> {
+        self.evaluations += 1;
+        if self.memos.budget.enabled() {
+            let memo = &mut self.memos.budget;
+            memo.start_at(plan);
+            for &u in self.space.group(k) {
+                memo.set(u, a);
+            }
+            if let Some(known) = memo.get(bound) {
+                self.space.set(plan, k, a);
+                return known;
+            }
+        }
         self.ensure_base(plan, false);
         self.space.set(plan, k, a);
-        self.evaluations += 1;
         let base = self.base.as_ref().expect("a base");
-        self.ctx.score(base, plan, self.space.first(k), bound, &mut self.worker)
+        let s = self.ctx.score(base, plan, self.space.first(k), bound, &mut self.worker);
+        let memo = &mut self.memos.budget;
+        if memo.enabled() {
+            memo.start_at(plan);
+            memo.put(bound, s);
+        }
+        normalized(s, bound)
     }
 
     /// Scores of `moves` applied (each alone) to `plan` (under unlimited memory when `free`), in
@@ -181,14 +240,34 @@ impl<'a> Polisher<'a> {
         if moves.is_empty() {
             return Vec::new();
         }
-        self.ensure_base(plan, free);
         self.evaluations += moves.len() as u64;
+        let space = self.space;
+        // What is known already; the rest is evaluated.
+        let mut out = vec![None; moves.len()];
+        let mut todo: Vec<usize> = Vec::with_capacity(moves.len());
+        let memo = if free { &mut self.memos.free } else { &mut self.memos.budget };
+        if memo.enabled() {
+            memo.load(plan);
+            for (i, m) in moves.iter().enumerate() {
+                key_of_move(memo, space, m);
+                match memo.get(bound) {
+                    Some(known) => out[i] = known,
+                    None => todo.push(i),
+                }
+            }
+            if todo.is_empty() {
+                return out;
+            }
+        } else {
+            todo.extend(0..moves.len());
+        }
+        self.ensure_base(plan, free);
         let (ctx, base) = if free { (&self.free_ctx, &self.free_base) } else { (&self.ctx, &self.base) };
         let base = base.as_ref().expect("a base");
-        let (space, n) = (self.space, self.g.n);
+        let n = self.g.n;
         let results: Vec<(Option<Score>, u64)> = self.pool.install(|| {
-            moves
-                .par_iter()
+            todo.par_iter()
+                .map(|&i| &moves[i])
                 .map_init(
                     || (Worker::new(n), plan.to_vec()),
                     |(w, p), m| {
@@ -202,7 +281,18 @@ impl<'a> Polisher<'a> {
                 .collect()
         });
         self.stages += results.iter().map(|r| r.1).sum::<u64>();
-        results.into_iter().map(|r| r.0).collect()
+        let memo = if free { &mut self.memos.free } else { &mut self.memos.budget };
+        if memo.enabled() {
+            memo.load(plan);
+        }
+        for (&i, (s, _)) in todo.iter().zip(results) {
+            if memo.enabled() {
+                key_of_move(memo, space, &moves[i]);
+                memo.put(bound, s);
+            }
+            out[i] = normalized(s, bound);
+        }
+        out
     }
 
     /// The first of `moves` (in order) that makes `plan` better than `current`, evaluated in
@@ -486,7 +576,8 @@ pub struct Polished {
 }
 
 /// Polish each start (plans of `space`) in turn (module documentation), then the best result
-/// again with pairs at any distance (None without starts).
+/// again with pairs at any distance (None without starts). The scores known are taken from
+/// `memos` and handed back with what the polish learnt.
 pub fn polish(
     g: &Graph,
     budget: u64,
@@ -494,8 +585,13 @@ pub fn polish(
     pool: &rayon::ThreadPool,
     space: &Space,
     starts: Vec<(Vec<Action>, Score)>,
+    memos: &mut Memos,
 ) -> Option<Polished> {
+    if starts.is_empty() {
+        return None;
+    }
     let mut search = Polisher::new(g, budget, opts, pool, space);
+    search.memos = std::mem::take(memos);
     let mut best: Option<(Vec<Action>, Score)> = None;
     let mut plans = Vec::new();
     for (plan, s) in starts {
@@ -505,9 +601,10 @@ pub fn polish(
         }
         add_distinct(&mut plans, p, ps);
     }
-    let (plan, s) = best?;
+    let (plan, s) = best.expect("at least one start");
     search.window = space.dims();
     let (plan, s) = search.polish(plan, s);
+    *memos = std::mem::take(&mut search.memos);
     add_distinct(&mut plans, plan.clone(), s);
     Some(Polished { best: (plan, s), plans, evaluations: search.evaluations, stages: search.stages() })
 }

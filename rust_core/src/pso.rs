@@ -25,7 +25,7 @@ use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{EvalOptions, Score};
 use crate::incremental::{Context, Worker};
-use crate::polish::{add_distinct, Polisher};
+use crate::polish::{add_distinct, Memos, Polisher};
 use crate::profile::Graph;
 use crate::space::Space;
 use rand::{Rng, SeedableRng};
@@ -80,6 +80,10 @@ pub struct PsoSettings {
     /// Plans may swap (false: retain and recompute only, for an engine that cannot swap; seeds
     /// with swaps are then left out).
     pub swaps: bool,
+    /// The polish, restarts and path relinking answer a plan they evaluated before from what the
+    /// evaluation found (crate::memo; exact: same plans and evaluation counts; off only to test
+    /// that it is).
+    pub memo: bool,
 }
 
 impl Default for PsoSettings {
@@ -102,6 +106,7 @@ impl Default for PsoSettings {
             blocks: Vec::new(),
             block_wise: None,
             swaps: true,
+            memo: true,
         }
     }
 }
@@ -333,6 +338,7 @@ pub(crate) fn pipeline(
         return (gbest, plans);
     }
     let mut polisher = Polisher::new(g, budget, opts, pool, space);
+    polisher.memos = Memos::new(g.n, settings.memo);
     if polisher.is_optimal(&gbest.1) {
         // No plan is faster: only the swaps it does without are undone.
         let (p, ps) = polisher.tidied(gbest.0, gbest.1);
@@ -355,7 +361,7 @@ pub(crate) fn pipeline(
             starts.push((pbest[i].clone(), pbest_scores[i]));
         }
     }
-    let polished = crate::polish::polish(g, budget, opts, pool, space, starts).expect("the swarm's best is a start");
+    let polished = crate::polish::polish(g, budget, opts, pool, space, starts, &mut polisher.memos).expect("the swarm's best is a start");
     if polished.best.1.better_than(&gbest.1) {
         gbest = polished.best;
     }
@@ -382,7 +388,7 @@ pub(crate) fn pipeline(
         phase(trace, "restarts", restart_evals + polisher.evaluations(), restart_stages + polisher.stages(), &gbest.1);
     }
     if settings.relinks > 0 && !polisher.is_optimal(&gbest.1) {
-        let (best, evals, stages) = crate::relink::relink(g, budget, opts, pool, space, plans.clone(), settings.relinks);
+        let (best, evals, stages) = crate::relink::relink(g, budget, opts, pool, space, plans.clone(), settings.relinks, &mut polisher.memos);
         if let Some((p, ps)) = best {
             if ps.better_than(&gbest.1) {
                 gbest = (p.clone(), ps);

@@ -16,7 +16,7 @@
 
 use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
-use crate::polish::{add_distinct, Polisher};
+use crate::polish::{add_distinct, Memos, Polisher};
 use crate::profile::Graph;
 use crate::space::Space;
 
@@ -76,6 +76,7 @@ fn next_pair(plans: &[(Vec<Action>, Score)], walked: &[(Vec<Action>, Vec<Action>
 
 /// Relink `plans` (polished, feasible plans of `space`) as the module documentation says;
 /// returns the best plan (None without plans), the evaluations made and the stages simulated.
+/// The scores known are taken from `memos` and handed back with what relinking learnt.
 pub fn relink(
     g: &Graph,
     budget: u64,
@@ -84,8 +85,10 @@ pub fn relink(
     space: &Space,
     mut plans: Vec<(Vec<Action>, Score)>,
     polishes: usize,
+    memos: &mut Memos,
 ) -> (Option<(Vec<Action>, Score)>, u64, u64) {
     let mut polisher = Polisher::new(g, budget, opts, pool, space);
+    polisher.memos = std::mem::take(memos);
     let mut walked: Vec<(Vec<Action>, Vec<Action>)> = Vec::new();
     let mut polished: Vec<Vec<Action>> = Vec::new();
     while polished.len() < polishes {
@@ -102,5 +105,6 @@ pub fn relink(
         add_distinct(&mut plans, p, ps);
     }
     plans.sort_by(|x, y| x.1.cmp_key(&y.1));
+    *memos = std::mem::take(&mut polisher.memos);
     (plans.into_iter().next(), polisher.evaluations(), polisher.stages())
 }

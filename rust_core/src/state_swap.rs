@@ -86,7 +86,8 @@ impl StateSwaps {
 /// When the evaluator issues the prefetches of a plan's swapped parameters and optimizer state.
 #[derive(Debug, Clone, Default)]
 pub struct StateSchedule {
-    /// Per unit: its parameters / optimizer state are swapped (and have bytes).
+    /// Per unit: its parameters / optimizer state are swapped (and have bytes). These vectors
+    /// are empty when nothing is swapped: read them through the methods.
     pub params: Vec<bool>,
     pub states: Vec<bool>,
     /// Per forward stage, the units whose parameters are prefetched at its start (ascending).
@@ -105,6 +106,10 @@ impl StateSchedule {
     pub fn new(g: &Graph, swaps: &StateSwaps) -> StateSchedule {
         let n = g.n;
         let (pu, su) = swaps.units(g);
+        if pu.is_empty() && su.is_empty() {
+            // nothing swapped (every search evaluation): nothing to allocate
+            return StateSchedule::default();
+        }
         let mut s = StateSchedule {
             params: vec![false; n],
             states: vec![false; n],
@@ -174,5 +179,30 @@ impl StateSchedule {
         s.at_bwd = at_bwd;
         s.at_opt = at_opt;
         s
+    }
+
+    /// The units whose parameters are prefetched at the start of forward stage `i`.
+    pub fn at_fwd(&self, i: usize) -> &[usize] {
+        self.at_fwd.get(i).map_or(&[], |v| v)
+    }
+
+    /// The units whose optimizer state is prefetched at the start of backward stage `i`.
+    pub fn at_bwd(&self, i: usize) -> &[usize] {
+        self.at_bwd.get(i).map_or(&[], |v| v)
+    }
+
+    /// The same at the start of optimizer stage `k` (position in `Graph::opt_order`).
+    pub fn at_opt(&self, k: usize) -> &[usize] {
+        self.at_opt.get(k).map_or(&[], |v| v)
+    }
+
+    /// Unit `u`'s parameters are swapped.
+    pub fn param(&self, u: usize) -> bool {
+        self.params.get(u).copied().unwrap_or(false)
+    }
+
+    /// Unit `u`'s optimizer state is swapped.
+    pub fn state(&self, u: usize) -> bool {
+        self.states.get(u).copied().unwrap_or(false)
     }
 }

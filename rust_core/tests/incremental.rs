@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tensorplace_core::evaluator::{score, EvalOptions, Score, Scratch};
+use tensorplace_core::evaluator::{evaluate_segments, replay_time, score, EvalOptions, Score, Scratch};
 use tensorplace_core::incremental::{Context, Worker};
 use tensorplace_core::peak::{lower_bound, unplanned_peak};
 use tensorplace_core::profile::ExecutorCosts;
@@ -197,4 +197,29 @@ fn resumed_and_bounded_moves_score_as_full_evaluations_with_retried_prefetches_a
         stopped += check(&g, &mut rng, &opts, 2, 8);
     }
     assert!(stopped > 100, "only {stopped} bounded evaluations stopped early");
+}
+
+#[test]
+fn the_replays_a_plan_makes_follow_from_the_plan() {
+    // The bound counts the forward time of the units the backward replays before it runs
+    // (evaluator::replay_time): it is the simulated step's recompute time, whatever the budget,
+    // options and segments, on random profiles and plans (a few bundled ones too).
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let mut profiles: Vec<Profile> = (0..150).map(|_| random_profile(&mut rng, 40)).collect();
+    profiles.extend(["plain20", "squeezenet", "mobilenet_v2"].iter().map(|n| bundled(n)));
+    let mut replayed = 0;
+    for p in &profiles {
+        let g = p.graph().unwrap();
+        let mut scratch = Scratch::new(g.n);
+        for _ in 0..20 {
+            let plan = random_plan(&mut rng, g.n);
+            let starts: Vec<bool> = if rng.gen_bool(0.5) { g.block_start.clone() } else { (0..g.n).map(|_| rng.gen_bool(0.2)).collect() };
+            let (budget, opts) = (random_budget(&mut rng, &g), random_opts(&mut rng));
+            let out = evaluate_segments(&g, &plan, &starts, budget, &opts, &mut scratch, false);
+            let want = replay_time(&g, &plan, &starts);
+            assert!((out.recompute - want).abs() <= 1e-12 * want.max(1e-300), "recompute {} but replay_time {want}\nplan {plan:?}", out.recompute);
+            replayed += (want > 0.0) as usize;
+        }
+    }
+    assert!(replayed > 1000, "only {replayed} plans replay anything");
 }

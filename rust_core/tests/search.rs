@@ -207,6 +207,34 @@ fn restarts_and_relinking_do_not_depend_on_the_thread_count() {
     assert!(one.predicted.step_time <= restarts_only.predicted.step_time);
 }
 
+#[test]
+fn the_memo_of_scores_changes_nothing_but_the_work() {
+    // The polish, restarts and relinking evaluate plans again (crate::memo): answered from the
+    // memo, the search makes the same choices (same plans, same evaluation counts, phase by
+    // phase) and simulates fewer stages.
+    for (name, frac) in [("plain20", 0.25), ("mobilenet_v1", 0.5)] {
+        let p = bundled(name);
+        let run = |memo: bool| {
+            let pso = PsoSettings { threads: 2, memo, ..Default::default() };
+            make_plan(&p, budget_at(&p, frac), "pso", &PlanSettings { pso, ..Default::default() }, |_, _| {}).unwrap()
+        };
+        let (with, without) = (run(true), run(false));
+        assert_eq!(with.actions, without.actions, "{name}");
+        assert_eq!(with.predicted.step_time, without.predicted.step_time);
+        let phases = |plan: &tensorplace_core::Plan| -> Vec<(String, u64)> {
+            plan.convergence.as_ref().unwrap()["phases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|ph| (ph["name"].as_str().unwrap().to_string(), ph["evaluations"].as_u64().unwrap()))
+                .collect()
+        };
+        assert_eq!(phases(&with), phases(&without));
+        assert!(phases(&with).iter().any(|(n, _)| n == "relink"), "{name}: relinking ran");
+        let stages = |plan: &tensorplace_core::Plan| plan.convergence.as_ref().unwrap()["stages"].as_u64().unwrap();
+        assert!(stages(&with) < stages(&without), "{name}: {} stages with the memo, {} without", stages(&with), stages(&without));
+    }
+}
 
 #[test]
 fn a_search_without_swaps_never_swaps_and_names_the_smallest_budget_of_such_plans() {
