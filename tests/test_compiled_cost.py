@@ -38,8 +38,9 @@ def test_the_calibration_plans_are_predicted_at_or_above_their_measured_peaks(gp
     retain = cm.predict(["retain"] * n)
     recompute = cm.predict(["recompute"] * n)
     # never below the measurement (the constants are calibrated on these plans); the all-recompute
-    # plan can be above it (on torch 2.11 by 5%: two recomputing regions in a row overlap there more
-    # than one share of the forward's transient explains)
+    # plan can be above it. Known to fail on torch 2.11 (43% above: there a region compiled alone
+    # measures no saved bytes while its graph is held, `kept` 0, so the backward terms are charged
+    # as if nothing of the forward were freed; not yet explained)
     assert retain["peak_bytes"] == cm.calibration["retain"]["peak_bytes"]
     measured = cm.calibration["recompute"]["peak_bytes"]
     assert measured <= recompute["peak_bytes"] <= 1.10 * measured, (measured, recompute)
