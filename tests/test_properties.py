@@ -70,7 +70,10 @@ def test_swapping_one_more_unit_never_raises_the_peak_without_other_swaps(pp, da
 def test_recomputing_one_more_unit_never_raises_the_peak_without_transients(pp, data):
     """A replay allocates its forward transient (scratch and unsaved output), a recomputed unit
     holds its unsaved inputs, and a replay chain materialises dropped or swapped inputs before
-    their own backward needs them: without those, recomputation only shortens residency."""
+    their own backward needs them: without those, recomputation only shortens residency, but for
+    the unit's inputs, which its segment holds until its backward even where their producer's
+    last reader comes earlier in the backward (found by Hypothesis: u2's output, read by u4 and by
+    the recomputed u3, held one stage longer). So the peak grows by at most their bytes."""
     p, plan = pp
     plan = ["retain"] * len(plan)
     j = data.draw(st.integers(0, len(plan) - 1))
@@ -78,7 +81,11 @@ def test_recomputing_one_more_unit_never_raises_the_peak_without_transients(pp, 
     before[j] = "retain"
     after = copy.copy(plan)
     after[j] = "recompute"
-    assert tp.evaluate(p, after, BIG)["peak_bytes"] <= tp.evaluate(p, before, BIG)["peak_bytes"]
+    units = p["units"]
+    held = sum(units[q]["act_bytes"] + units[q]["output_bytes"] for q in units[j]["inputs"])
+    assert tp.evaluate(p, after, BIG)["peak_bytes"] <= tp.evaluate(p, before, BIG)["peak_bytes"] + held
+    if not units[j]["inputs"]:
+        assert tp.evaluate(p, after, BIG)["peak_bytes"] <= tp.evaluate(p, before, BIG)["peak_bytes"]
 
 
 @common
