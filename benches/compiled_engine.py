@@ -32,22 +32,10 @@ from typing import Any, Dict, List
 import torch
 
 import tensorplace as tp
-from tensorplace.bench.common import build_model
+from tensorplace.bench.common import build_model, loss_and_grads
 from tensorplace.compiled_engine import compiled_offload_supported
 from tensorplace.peers import block_modules, checkpoint_blocks
 from tensorplace.profiler import unplanned_step_stats
-
-
-def _grads(module: torch.nn.Module, params: torch.nn.Module, x: Any, loss_fn: Any) -> List[torch.Tensor]:
-    for p in params.parameters():
-        p.grad = None
-    torch.manual_seed(0)
-    loss = loss_fn(module(x))
-    loss.backward()
-    out = [loss.detach().clone()] + [p.grad.detach().clone() for p in params.parameters() if p.grad is not None]
-    for p in params.parameters():
-        p.grad = None
-    return out
 
 
 def main(argv: List[str]) -> None:
@@ -96,7 +84,7 @@ def main(argv: List[str]) -> None:
         torch._dynamo.reset()
         module = make()
         t0 = time.perf_counter()
-        grads = _grads(module, params, x, loss_fn)  # compiles
+        grads = loss_and_grads(module, params, x, loss_fn)  # compiles
         compile_s = time.perf_counter() - t0
         stats = unplanned_step_stats(module, (x,), loss_fn=loss_fn, repeats=a.repeats)
         row = {"row": name, "peak_bytes": stats["peak_bytes"], "step_time": stats["step_time"], "compile_s": compile_s,

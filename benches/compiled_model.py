@@ -27,22 +27,10 @@ from typing import Any, Dict, List
 import torch
 
 import tensorplace as tp
-from tensorplace.bench.common import build_model
+from tensorplace.bench.common import build_model, loss_and_grads
 from tensorplace.compiled_cost import CompiledCostModel, plan_compiled
 from tensorplace.peers import checkpoint_blocks
 from tensorplace.profiler import unplanned_step_stats
-
-
-def _grads(module: torch.nn.Module, params: torch.nn.Module, x: Any, loss_fn: Any) -> List[torch.Tensor]:
-    for p in params.parameters():
-        p.grad = None
-    torch.manual_seed(0)
-    loss = loss_fn(module(x))
-    loss.backward()
-    out = [loss.detach().clone()] + [p.grad.detach().clone() for p in params.parameters() if p.grad is not None]
-    for p in params.parameters():
-        p.grad = None
-    return out
 
 
 def main(argv: List[str]) -> None:
@@ -75,7 +63,7 @@ def main(argv: List[str]) -> None:
     def measure(name: str, make: Any, params: torch.nn.Module, **extra: Any) -> Dict[str, Any]:
         torch._dynamo.reset()
         module = make()
-        grads = _grads(module, params, x, loss_fn)  # compiles
+        grads = loss_and_grads(module, params, x, loss_fn)  # compiles
         stats = unplanned_step_stats(module, (x,), loss_fn=loss_fn, repeats=a.repeats)
         row = {"row": name, "peak_bytes": stats["peak_bytes"], "step_time": stats["step_time"],
                "step_best": min(stats["step_times"]), "grads": grads, **extra}

@@ -98,6 +98,22 @@ class Output:
             write_json(self.path, self.payload(**extra))
 
 
+def loss_and_grads(module: Any, params: Any, x: Any, loss_fn: Callable[[Any], Any]) -> List[Any]:
+    """One step of ``module`` on ``x`` (seed 0): copies of the loss and of ``params``' gradients,
+    which are set to None before and after (the values two engines' steps are compared on)."""
+    import torch
+
+    for p in params.parameters():
+        p.grad = None
+    torch.manual_seed(0)
+    loss = loss_fn(module(x))
+    loss.backward()
+    out = [loss.detach().clone()] + [p.grad.detach().clone() for p in params.parameters() if p.grad is not None]
+    for p in params.parameters():
+        p.grad = None
+    return out
+
+
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Print a table (rich when available)."""
     try:
