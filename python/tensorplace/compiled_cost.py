@@ -57,14 +57,14 @@ numbers are the device's the model's parameters are on.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import itertools
-import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -102,20 +102,32 @@ def unit_sequence(model: nn.Module, example_inputs: Sequence[Any], units: Any = 
     for m, name in modules.items():
         handles.append(m.register_forward_pre_hook(lambda m, a, name=name: pre(m, a, name)))
         handles.append(m.register_forward_hook(post))
+    with _probe_forward(model, handles), torch.no_grad():
+        model(*example_inputs)
+    return names
+
+
+@contextlib.contextmanager
+def _probe_forward(model: nn.Module, handles: List[Any]) -> Iterator[None]:
+    """A forward of ``model`` in training mode that leaves no trace: the random generators (CPU
+    and the model's CUDA devices), the buffers (BatchNorm's statistics), the mode and the
+    gradients are restored, and ``handles`` removed, afterwards."""
     saved = [b.detach().clone() for b in model.buffers()]
     was_training = model.training
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=cuda):
             model.train()
-            model(*example_inputs)
+            yield
     finally:
         for h in handles:
             h.remove()
         with torch.no_grad():
             for b, s in zip(model.buffers(), saved):
                 b.copy_(s)
+        for p in model.parameters():
+            p.grad = None
         model.train(was_training)
-    return names
 
 
 def plan_dict(units: Sequence[str], actions: Sequence[str], *, budget: int = 0, method: str = "compiled",
@@ -337,19 +349,8 @@ def _region_inputs(model: nn.Module, example_inputs: Sequence[Any], regions: Seq
                 got[r] = (_clone_inputs(a), _clone_inputs(kw))
 
         handles.append(mods[r].register_forward_pre_hook(hook, with_kwargs=True))
-    saved = [b.detach().clone() for b in model.buffers()]
-    try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            model.train()
-            model(*example_inputs)
-    finally:
-        for h in handles:
-            h.remove()
-        with torch.no_grad():
-            for b, s in zip(model.buffers(), saved):
-                b.copy_(s)
-        for p in model.parameters():
-            p.grad = None
+    with _probe_forward(model, handles), torch.enable_grad():
+        model(*example_inputs)
     return got
 
 
