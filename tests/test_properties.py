@@ -346,3 +346,23 @@ def test_the_time_identity_holds_with_host_time(pp):
     if all(a == "retain" for a in plan) and "fwd_host_time" not in p["units"][0]:
         assert r["step_time"] == pytest.approx(b["step_time"], rel=1e-12, abs=1e-12)
     assert r["step_time"] >= b["step_time"] * (1 - 1e-12) - 1e-12
+
+
+def test_a_recomputed_unit_holds_its_input_past_the_producers_last_reader():
+    """Hypothesis's example for the property above: u2's output (1 byte) is read by u4 and by u3;
+    recomputing u3 holds it until u3's backward, one stage after u4's (its last reader when u3 is
+    retained), so the peak grows by exactly that byte, no more."""
+    def unit(name, inputs, act, output_saved, read_by, grad=0, saved_from=()):
+        return {"name": name, "inputs": inputs, "model_inputs": [0] if not inputs else [], "fwd_time": 0.0,
+                "bwd_time": 0.0, "act_bytes": act, "output_bytes": 0, "output_saved": output_saved,
+                "read_by": read_by, "held_input_bytes": 0, "fwd_transient_bytes": 0, "bwd_transient_bytes": 0,
+                "grad_bytes": grad, "held_from": [], "saved_from": [list(s) for s in saved_from]}
+
+    p = {"format": "tensorplace.profile", "version": 1, "model": "random", "device": "test",
+         "memory": {"parameters": 0, "optimizer_state": 0, "inputs": 0, "workspace": 0},
+         "d2h_bandwidth": 10.0, "h2d_bandwidth": 10.0, "copy_engines": 1,
+         "units": [unit("u0", [], 0, False, [0]), unit("u1", [0], 0, False, []), unit("u2", [0], 1, True, [4]),
+                   unit("u3", [2], 1, False, [3], grad=1), unit("u4", [0, 2], 0, False, [], saved_from=[(2, 0)])]}
+    retained = tp.evaluate(p, ["retain"] * 5, BIG)["peak_bytes"]
+    recomputed = tp.evaluate(p, ["retain", "retain", "retain", "recompute", "retain"], BIG)["peak_bytes"]
+    assert (retained, recomputed) == (2, 3)
