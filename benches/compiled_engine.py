@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 import torch
 
 import tensorplace as tp
-from tensorplace.bench.common import build_model, loss_and_grads
+from tensorplace.bench.common import loss_and_grads, model_args, model_from_args
 from tensorplace.compiled_engine import compiled_offload_supported
 from tensorplace.peers import block_modules, checkpoint_blocks
 from tensorplace.profiler import unplanned_step_stats
@@ -40,14 +40,10 @@ from tensorplace.profiler import unplanned_step_stats
 
 def main(argv: List[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt6")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--image", type=int, default=128)
-    ap.add_argument("--classes", type=int, default=100)
+    model_args(ap, batch=8, default="gpt6")
+    ap.set_defaults(device="cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--methods", nargs="*", default=["checkpoint-blocks", "recompute-all"])
     ap.add_argument("--fractions", type=float, nargs="*", default=[])
     ap.add_argument("--swap-fractions", type=float, nargs="*", default=[],
@@ -61,7 +57,7 @@ def main(argv: List[str]) -> None:
     a = ap.parse_args(argv)
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
-    built = build_model(a.model, a.batch, image=a.image, seq=a.seq, classes=a.classes, device=a.device)
+    built = model_from_args(a)
     model, inputs = built.model, built.inputs
     loss_fn = built.loss_fn or (lambda out: out.float().pow(2).mean())
     x = inputs[0]

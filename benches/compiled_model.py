@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 import torch
 
 import tensorplace as tp
-from tensorplace.bench.common import build_model, loss_and_grads
+from tensorplace.bench.common import loss_and_grads, model_args, model_from_args
 from tensorplace.compiled_cost import CompiledCostModel, plan_compiled
 from tensorplace.peers import checkpoint_blocks
 from tensorplace.profiler import unplanned_step_stats
@@ -35,11 +35,8 @@ from tensorplace.profiler import unplanned_step_stats
 
 def main(argv: List[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt6")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--image", type=int, default=128)
-    ap.add_argument("--classes", type=int, default=100)
+    model_args(ap, batch=8, default="gpt6")
+    ap.set_defaults(device="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fractions", default="0.25,0.5,0.75",
                     help="budgets as fractions of the way from the smallest predicted peak to the all-retain peak")
@@ -48,7 +45,7 @@ def main(argv: List[str]) -> None:
     a = ap.parse_args(argv)
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
-    built = build_model(a.model, a.batch, image=a.image, seq=a.seq, classes=a.classes)
+    built = model_from_args(a)
     model, x = built.model, built.inputs[0]
     loss_fn = built.loss_fn or (lambda out: out.float().pow(2).mean())
     for m in model.modules():  # dropout off: the rows' values are comparable across engines
