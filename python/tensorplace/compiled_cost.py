@@ -175,6 +175,15 @@ def _clone_inputs(spec: Any) -> Any:
     return pytree.tree_map(one, spec)
 
 
+def _graph_handles(outs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Tensors of no bytes whose autograd graphs hold those of ``outs`` (an empty copy of an empty
+    view of each): kept, they keep the graph and what it saved alive without the outputs. Keeping
+    ``grad_fn`` itself does not on torch 2.11: the compiled graph's node (CompiledFunctionBackward,
+    a custom autograd Function) is held only weakly by its Python object there, so the node and
+    its saved values are freed with the output (torch 2.14 holds it)."""
+    return [t.as_strided((0,), (1,)).clone() for t in outs]
+
+
 @dataclass
 class RegionCost:
     """One region class under one assignment, measured alone (module docstring)."""
@@ -231,14 +240,14 @@ def measure_region(module: nn.Module, rel_units: Sequence[str], actions: Sequenc
 
         def forward_graph(a: Any, k: Any) -> Any:
             out = step_mod(*a, **k)
-            return [t.grad_fn for t in outs_of(out)]  # the graph (and what it saved) without the output
+            return _graph_handles(outs_of(out))  # the graph (and what it saved) without the output
 
         def forward_graph_own_input(a: Any, k: Any) -> Any:
             # the inputs made inside the window, not leaves: kept after the call only if the graph saved them
             a2 = [t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in a]
             out = step_mod(*a2, **k)
             del a2
-            return [t.grad_fn for t in outs_of(out)]
+            return _graph_handles(outs_of(out))
 
         def clear() -> None:
             for p in work.parameters():
