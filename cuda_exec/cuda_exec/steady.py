@@ -301,7 +301,14 @@ class _SteadyStep:
         st = self.state
         out = []
         fire = None
-        for a in pytree.tree_leaves(values):
+        # a module's arguments or output: mostly a tensor or a tuple of tensors (pytree for the rest)
+        if isinstance(values, torch.Tensor):
+            leaves: Any = (values,)
+        elif type(values) is tuple and all(isinstance(v, torch.Tensor) for v in values):
+            leaves = values
+        else:
+            leaves = pytree.tree_leaves(values)
+        for a in leaves:
             if (isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None
                     and not (hooked and any(a is h() for h in hooked))):
                 if fire is None:

@@ -114,8 +114,9 @@ class _Entry:
         self.queue_offload()
         if self.host is not None and self.fetched is None and not self.prefetched:
             self.prefetched = True
-            self.state.backend.prefetch(self.host)
-            self.state.stats.prefetches += 1
+            state = self.state
+            state.backend.prefetch(self.host)
+            state.stats.prefetches += 1
 
     def storage(self) -> torch.UntypedStorage:
         if self.fetched is None:
@@ -123,11 +124,12 @@ class _Entry:
                 return self.source.untyped_storage()  # needed before its copy was queued: still here
             if self.host is None:
                 raise StepAbortedError("a swapped tensor of an aborted step was needed")
+            state = self.state
             if not self.prefetched:
-                self.state.stats.unscheduled_fetches += 1
+                state.stats.unscheduled_fetches += 1
             t0 = time.perf_counter()
-            self.fetched = self.state.backend.fetch(self.host)
-            self.state.stats.fetch_s += time.perf_counter() - t0
+            self.fetched = state.backend.fetch(self.host)
+            state.stats.fetch_s += time.perf_counter() - t0
         return self.fetched.untyped_storage()
 
     def incref(self) -> None:
@@ -141,16 +143,17 @@ class _Entry:
     def free(self) -> None:
         self.fetched = None
         self.source = None
+        state = self.state
         if self.host is _QUEUED_LATER:
             self.host = None
         if self.host is not None:
             host, self.host = self.host, None
-            self.state.backend.release(host)
-        if self.state.entries.get(self.value) is self:
-            del self.state.entries[self.value]
+            state.backend.release(host)
+        if state.entries.get(self.value) is self:
+            del state.entries[self.value]
         key = (self.ref.cdata, self.version)
-        if self.state.swapped.get(key) is self:
-            del self.state.swapped[key]
+        if state.swapped.get(key) is self:
+            del state.swapped[key]
 
 
 def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor) -> _Entry:
