@@ -232,7 +232,7 @@ class ViewMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> "ViewMeta":
-        return ViewMeta(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+        return ViewMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
     def view_of(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
         """A tensor with this metadata over ``storage``."""
