@@ -429,8 +429,10 @@ def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
-    # only the replay step (every unit recomputed) runs through the executor
-    assert plans == [["recompute"] * 5]
+    # of this model, only the replay steps (every unit recomputed) run through the executor: the
+    # replay step, then the steady replay step's two (the executor's host costs, measured once
+    # per process, run executors of other models)
+    assert [p for p in plans if len(p) == 5] == [["recompute"] * 5] * 3
     assert _hooks_left(model) == 0
     assert torch._C._len_torch_function_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

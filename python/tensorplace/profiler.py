@@ -29,6 +29,15 @@ What one profile call runs, all on the user's model and inputs, in training mode
    held at each stage boundary (`StepStats.dropped_alive`: a local variable of an enclosing
    module keeps a tensor past its last reader): `lingering_bytes` / `lingering_until`. If the
    step fails (a unit that cannot be replayed), these fields are left out, with a warning.
+5. The **steady replay step**: the profile's all-recompute plan (`recompute-all`, the default
+   segments) trained through the executor for two steps, the second under the memory recorder.
+   That step is what a user's steps are: it replays a segment by calling its modules again,
+   and the graph of those calls keeps what autograd saved without the executor's hooks (a
+   Python number an op wraps into a tensor, `att * 0.125`) until the call ends, which the first
+   step's replays, one unit at a time, let go of earlier. Where the memory while a segment
+   replays is above the cost model's prediction of that plan at the backward stage where it
+   replays, the excess is that stage's `replay_slack_bytes`, which the model adds under every
+   replay of the stage. Skipped, with a warning, if the steps fail.
 
 Every step checks that the model ran the same sequence of units as the structure step: a model
 whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
@@ -1409,7 +1418,7 @@ def profile_model(
             u["bwd_replay_bytes"] = min(max(0, const_total + npk - (bwd_c[i] - u["grad_bytes"])),
                                         u["bwd_transient_bytes"] + u["grad_bytes"])
     first = next((t for t in _tensors_in(list(args)) if t.dim() > 0), None)
-    return {
+    profile = {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
         "model": name if name is not None else type(model).__name__.lower(),
@@ -1430,7 +1439,69 @@ def profile_model(
         **({"optimizer": opt_other} if opt_other is not None else {}),
         "units": out_units,
     }
+    with _preserved(model, dev):
+        _add_replay_slack(profile, model, args, loss_fn, backend, dev, const_total, units)
+    return profile
 
+
+def _replay_window_levels(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> Dict[int, int]:
+    """Per R<unit>..r<unit> window of a recording, the highest running allocation sum in it
+    (above the recording's start)."""
+    level = 0
+    out: Dict[int, int] = {}
+    open_unit: Optional[int] = None
+    for _, delta, label in sorted(events, key=lambda ev: (ev[0], 1 if ev[2] is None else (0 if ev[2].startswith("R") else 2))):
+        if label is None:
+            level += delta or 0
+            if open_unit is not None:
+                out[open_unit] = max(out[open_unit], level)
+        elif label[:1] == "R" and label[1:].isdigit():
+            open_unit = int(label[1:])
+            out[open_unit] = max(out.get(open_unit, level), level)
+        elif label[:1] == "r" and label[1:].isdigit() and open_unit == int(label[1:]):
+            open_unit = None
+    return out
+
+
+def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, backend: Any,
+                      dev: torch.device, const_total: int, units_spec: Any) -> None:
+    """``replay_slack_bytes`` (module docstring, the steady replay step): the all-recompute plan of
+    ``profile`` trained for two steps through the executor, the second (a steady step, whose
+    replays call a segment's modules again) recorded; where it held more while it replayed a
+    segment than the cost model's prediction of that plan at the backward stage where the segment
+    replays, the excess goes on that stage's unit. Skipped, with a warning, if the steps fail."""
+    from .api import run
+    from .planning import evaluate, plan_profile
+
+    units = profile["units"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the executor's own warnings about this plan
+            plan = plan_profile(profile, 2**62, "recompute-all")
+            fast = run(model, plan, backend=backend, units=units_spec)
+            try:
+                _run_step(fast, args, loss_fn)  # the executor's first step
+                _clear_grads(model)
+                gc.collect()
+                with _memory_recording(dev) as events:
+                    _run_step(fast, args, loss_fn)
+            finally:
+                fast.close()
+                _clear_grads(model)
+    except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
+        warnings.warn(f"the steady replay step failed ({type(exc).__name__}: {exc}); the profile has no "
+                      "replay_slack_bytes", RuntimeWarning, stacklevel=3)
+        return
+    predicted = evaluate(profile, plan.actions, 2**62, segment_starts=plan.to_dict().get("segment_starts"))
+    stage_peak = {int(c["stage"][4:]): int(c["peak"]) for c in predicted["curve"] if c["stage"].startswith("bwd:")}
+    stage_of = {int(r["unit"]): int(r["at_backward_of"]) for r in predicted["replays"]}
+    for first, level in _replay_window_levels(events).items():
+        s = stage_of.get(first)
+        if s is None or s not in stage_peak:
+            continue
+        excess = const_total + level - stage_peak[s]
+        if excess > units[s].get("replay_slack_bytes", 0):
+            units[s]["replay_slack_bytes"] = int(excess)
 
 def unplanned_step_stats(
     model: nn.Module,

@@ -162,6 +162,12 @@ pub struct Unit {
     /// `bwd_transient_bytes` and `grad_bytes` (a replay charged on the stage's whole peak).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bwd_replay_bytes: Option<i64>,
+    /// What the profile's steady all-recompute step measured above the model's prediction of it
+    /// while a segment replayed in this unit's backward stage (tensors the replay's module calls
+    /// keep that the first step's per-unit replays let go of, such as Python numbers autograd saves
+    /// without hooks): added under every replay of the stage. Absent: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_slack_bytes: Option<i64>,
 }
 
 /// The executor's own host seconds per action on the profiled device (cuda_exec/calibrate.py):
@@ -313,8 +319,8 @@ pub struct Graph {
     /// Per unit, `loss_transient_bytes` (0 when absent).
     pub loss_transient: Vec<u64>,
     /// Per unit, what the backward of its stage has allocated when a replay in the stage runs:
-    /// `bwd_replay_bytes` (at least the loss's backward of the stage, at most the stage's
-    /// transient and gradients; those when absent).
+    /// `bwd_replay_bytes` (at most the stage's transient and gradients; those when absent), plus
+    /// `replay_slack_bytes`.
     pub bwd_replay: Vec<u64>,
     pub grad: Vec<u64>,
     pub inputs: Vec<Vec<usize>>,
@@ -552,6 +558,7 @@ impl Profile {
                 ("replay_transient_bytes", u.replay_transient_bytes.unwrap_or(0)),
                 ("loss_transient_bytes", u.loss_transient_bytes.unwrap_or(0)),
                 ("bwd_replay_bytes", u.bwd_replay_bytes.unwrap_or(0)),
+                ("replay_slack_bytes", u.replay_slack_bytes.unwrap_or(0)),
                 ("lingering_bytes", u.lingering_bytes.unwrap_or(0)),
                 ("param_bytes", u.param_bytes.unwrap_or(0)),
                 ("optimizer_state_bytes", u.optimizer_state_bytes.unwrap_or(0)),
@@ -867,8 +874,7 @@ impl Profile {
             loss_transient: u64s(&|u| u.loss_transient_bytes.unwrap_or(0)),
             bwd_replay: u64s(&|u| {
                 let whole = u.bwd_transient_bytes + u.grad_bytes;
-                // a replay the loss's own backward triggers runs within that region
-                u.bwd_replay_bytes.map_or(whole, |b| b.max(u.loss_transient_bytes.unwrap_or(0)).min(whole))
+                u.bwd_replay_bytes.map_or(whole, |b| b.min(whole)) + u.replay_slack_bytes.unwrap_or(0)
             }),
             grad: u64s(&|u| u.grad_bytes),
             inputs: g_inputs,

@@ -40,6 +40,7 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         replay_large_allocs: None,
         loss_transient_bytes: None,
         bwd_replay_bytes: None,
+        replay_slack_bytes: None,
         held_values: None,
         saved_values: None,
     }

@@ -412,6 +412,22 @@ fn a_replay_lies_on_what_its_stage_has_allocated_at_a_nodes_start() {
 }
 
 #[test]
+fn a_stages_replay_slack_lies_under_its_replays_only() {
+    // As above (the replay of the last unit lies on the 5 bytes its stage holds at a node's
+    // start), and 3 bytes the profile's steady step measured above the model while a segment
+    // replayed in that stage: under the replay, not in all-retain, which replays nothing.
+    let mut p = chain(&[1.0, 1.0, 1.0], &[10, 20, 30], 100, 1.0);
+    p.units[2].grad_bytes = 10;
+    p.units[2].replay_transient_bytes = Some(40);
+    p.units[2].bwd_replay_bytes = Some(5);
+    let without = eval(&p, &[Recompute; 3], u64::MAX).peak_bytes;
+    assert_eq!(without, 100 + 30 + 70 + 5);
+    p.units[2].replay_slack_bytes = Some(3);
+    assert_eq!(eval(&p, &[Recompute; 3], u64::MAX).peak_bytes, without + 3);
+    assert_eq!(eval(&p, &[Retain; 3], u64::MAX).peak_bytes, 100 + 60 + 10);
+}
+
+#[test]
 fn a_segment_holds_two_values_of_one_producer_twice_and_one_value_once() {
     // Unit 0 recomputed in a segment of its own; units 1 and 2 recomputed in the next one, each
     // saving a value of unit 0 (40 and 60 bytes): the second segment holds both from its forward
