@@ -25,7 +25,7 @@ from ..planning import Plan, evaluate, plan_profile, unplanned_peak
 from . import common
 
 UNIT_INTS = ("act_bytes", "output_bytes", "held_input_bytes", "fwd_transient_bytes", "bwd_transient_bytes",
-             "grad_bytes", "replay_transient_bytes", "lingering_bytes", "bwd_replay_bytes")
+             "grad_bytes", "replay_transient_bytes", "lingering_bytes", "bwd_replay_bytes", "replay_slack_bytes")
 UNIT_FLOATS = ("fwd_time", "bwd_time")
 UNIT_PAIRS = ("held_from", "saved_from")
 STRUCTURE = ("name", "kind", "inputs", "model_inputs", "output_saved", "read_by", "saved_inputs", "lingering_until")
@@ -71,6 +71,8 @@ def extrapolate(p1: Dict[str, Any], b1: int, p2: Dict[str, Any], b2: int, b: int
         o.pop("saved_values", None)
         if "bwd_replay_bytes" not in x or "bwd_replay_bytes" not in y:  # not one batch's: the stage's whole peak
             o.pop("bwd_replay_bytes", None)
+        if "replay_slack_bytes" in x and "replay_slack_bytes" not in y:  # measured at one batch only: kept
+            o["replay_slack_bytes"] = x["replay_slack_bytes"]
     return out
 
 
