@@ -965,21 +965,24 @@ def _bisect_right(a: Sequence[int], x: int) -> int:
     return lo
 
 
+def _marker_order(ev: Tuple[int, Optional[int], Optional[str]]) -> Tuple[int, int]:
+    """Sort key of a recording's events: by time; at one timestamp an R marker before the
+    allocations, an r marker after them."""
+    label = ev[2]
+    return (ev[0], 1 if label is None else (0 if label.startswith("R") else 2))
+
+
 def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
                     allocs: Optional[Dict[int, List[int]]] = None) -> Dict[int, int]:
     """Per replayed unit, the peak of the running allocation sum between the executor's
     R<unit> and r<unit> markers above its value at R<unit> (a marker at the same timestamp as an
     allocation: R before it, r after it). ``allocs``, if given, is filled with each replay's
     allocation sizes in order."""
-    def key(ev: Tuple[int, Optional[int], Optional[str]]) -> Tuple[int, int]:
-        label = ev[2]
-        return (ev[0], 1 if label is None else (0 if label.startswith("R") else 2))
-
     level = 0
     out: Dict[int, int] = {}
     open_unit: Optional[int] = None
     start = peak = 0
-    for _, delta, label in sorted(events, key=key):
+    for _, delta, label in sorted(events, key=_marker_order):
         if label is None:
             level += delta or 0
             peak = max(peak, level)
@@ -1450,7 +1453,7 @@ def _replay_window_levels(events: Sequence[Tuple[int, Optional[int], Optional[st
     level = 0
     out: Dict[int, int] = {}
     open_unit: Optional[int] = None
-    for _, delta, label in sorted(events, key=lambda ev: (ev[0], 1 if ev[2] is None else (0 if ev[2].startswith("R") else 2))):
+    for _, delta, label in sorted(events, key=_marker_order):
         if label is None:
             level += delta or 0
             if open_unit is not None:
@@ -1502,6 +1505,7 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
         excess = const_total + level - stage_peak[s]
         if excess > units[s].get("replay_slack_bytes", 0):
             units[s]["replay_slack_bytes"] = int(excess)
+
 
 def unplanned_step_stats(
     model: nn.Module,
