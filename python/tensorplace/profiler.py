@@ -1443,7 +1443,7 @@ def profile_model(
         "units": out_units,
     }
     with _preserved(model, dev):
-        _add_replay_slack(profile, model, args, loss_fn, backend, dev, const_total, units)
+        _add_replay_slack(profile, model, args, loss_fn, backend, dev, const_total, specs)
     return profile
 
 
