@@ -159,7 +159,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -972,14 +972,13 @@ def _marker_order(ev: Tuple[int, Optional[int], Optional[str]]) -> Tuple[int, in
     return (ev[0], 1 if label is None else (0 if label.startswith("R") else 2))
 
 
-def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
-                    allocs: Optional[Dict[int, List[int]]] = None) -> Dict[int, int]:
-    """Per replayed unit, the peak of the running allocation sum between the executor's
-    R<unit> and r<unit> markers above its value at R<unit> (a marker at the same timestamp as an
-    allocation: R before it, r after it). ``allocs``, if given, is filled with each replay's
-    allocation sizes in order."""
+def _windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
+             allocs: Optional[Dict[int, List[int]]] = None) -> Iterator[Tuple[int, int, int]]:
+    """Each window between the executor's R<unit> and r<unit> markers of a recording, as (unit,
+    running allocation sum at R<unit>, its highest value up to r<unit>), sums above the
+    recording's start (a marker at the same timestamp as an allocation: R before it, r after
+    it). ``allocs``, if given, is filled with each window's allocation sizes in order."""
     level = 0
-    out: Dict[int, int] = {}
     open_unit: Optional[int] = None
     start = peak = 0
     for _, delta, label in sorted(events, key=_marker_order):
@@ -991,8 +990,17 @@ def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
         elif label[:1] == "R" and label[1:].isdigit():
             open_unit, start, peak = int(label[1:]), level, level
         elif label[:1] == "r" and label[1:].isdigit() and open_unit == int(label[1:]):
-            out[open_unit] = max(out.get(open_unit, 0), peak - start)
+            yield open_unit, start, peak
             open_unit = None
+
+
+def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
+                    allocs: Optional[Dict[int, List[int]]] = None) -> Dict[int, int]:
+    """Per replayed unit, the peak of the running allocation sum between the executor's
+    R<unit> and r<unit> markers above its value at R<unit> (:func:`_windows`)."""
+    out: Dict[int, int] = {}
+    for unit, start, peak in _windows(events, allocs):
+        out[unit] = max(out.get(unit, 0), peak - start)
     return out
 
 
@@ -1449,20 +1457,10 @@ def profile_model(
 
 def _replay_window_levels(events: Sequence[Tuple[int, Optional[int], Optional[str]]]) -> Dict[int, int]:
     """Per R<unit>..r<unit> window of a recording, the highest running allocation sum in it
-    (above the recording's start)."""
-    level = 0
+    (above the recording's start; :func:`_windows`)."""
     out: Dict[int, int] = {}
-    open_unit: Optional[int] = None
-    for _, delta, label in sorted(events, key=_marker_order):
-        if label is None:
-            level += delta or 0
-            if open_unit is not None:
-                out[open_unit] = max(out[open_unit], level)
-        elif label[:1] == "R" and label[1:].isdigit():
-            open_unit = int(label[1:])
-            out[open_unit] = max(out.get(open_unit, level), level)
-        elif label[:1] == "r" and label[1:].isdigit() and open_unit == int(label[1:]):
-            open_unit = None
+    for unit, _start, peak in _windows(events):
+        out[unit] = max(out.get(unit, peak), peak)
     return out
 
 
