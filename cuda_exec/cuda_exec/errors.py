@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 __all__ = ["CompiledPathError", "PlanMismatchError", "StepAbortedError", "ReplayError", "StepStats"]
 
@@ -50,5 +50,8 @@ class StepStats:
     #: that the forward itself still held at the start of that stage} (they leave the device only
     #: when the forward lets go of them); the last entry is the end of the forward
     dropped_alive: Dict[int, Dict[int, int]] = field(default_factory=dict)
+    #: recomputed unit -> {value id (as the units' ``held_values``): (bytes, the last forward stage
+    #: whose start found it still held)}, for the dropped tensors that some unit reads
+    dropped_alive_values: Dict[int, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
     aborted: bool = False
 

@@ -250,6 +250,7 @@ class Executor:
             tracker.end_run_before(n)
             state.forward_done(n)
             state.note_dropped_alive(n)
+            state.note_alive_values(tracker.value_ids)
             program = None
             if learn is not None:  # before release_unneeded lets go of the slots
                 learn.names = list(state.names)

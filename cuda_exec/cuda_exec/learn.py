@@ -316,7 +316,7 @@ class _PlanTracker(UnitTracker):
                 )
             return tensor
         st.stats.dropped_tensors += 1
-        st.drop(owner, tensor)
+        st.drop(owner, tensor, val.storage_id)
         self._convert_slots(val, None, rt)
         return handle
 
@@ -339,7 +339,7 @@ class _PlanTracker(UnitTracker):
         st = self.state
         handle = _ReplayHandle(st, rt, None, val, meta, tensor.device, digest, what)
         st.stats.dropped_tensors += 1
-        st.drop(rt.unit, tensor)
+        st.drop(rt.unit, tensor, val.storage_id)
         self._convert_slots(val, None, rt)
         return handle
 

@@ -272,9 +272,11 @@ class _StepState:
         #: checkpoint segment (its first unit) -> its units' runtimes, in order, once the forward ended
         self.run_members: Dict[int, List["_UnitRuntime"]] = {}
         self.direct_slots: Dict[ValueRec, List["_InputSlot"]] = defaultdict(list)
-        #: storage key -> (unit, storage, bytes) of tensors dropped for recomputation that the
-        #: forward may still hold
-        self.dropped: Dict[int, Tuple[int, StorageWeakRef, int]] = {}
+        #: storage key -> (unit, storage, bytes, tracker storage id) of tensors dropped for
+        #: recomputation that the forward may still hold
+        self.dropped: Dict[int, Tuple[int, StorageWeakRef, int, int]] = {}
+        #: unit -> {tracker storage id: (bytes, last forward stage the forward still held it)}
+        self.alive_storages: Dict[int, Dict[int, Tuple[int, int]]] = {}
         self.fired: Set[int] = set()
         self.dead = False
         self.backward_running = False
@@ -288,22 +290,35 @@ class _StepState:
         #: parameters and optimizer state swapped across iterations (None: the plan swaps none)
         self.swapper: Optional[StateSwapper] = ex.swapper
 
-    def drop(self, unit: int, t: torch.Tensor) -> None:
+    def drop(self, unit: int, t: torch.Tensor, sid: int = -1) -> None:
+        """Unit ``unit``'s saved tensor ``t`` (its tracker's storage id ``sid``) leaves the step's
+        hold; the learning step notes whether the forward still holds it (note_dropped_alive)."""
         st = t.untyped_storage()
         ref = StorageWeakRef(st)
         if ref.cdata not in self.dropped:
-            self.dropped[ref.cdata] = (unit, ref, st.nbytes())
+            self.dropped[ref.cdata] = (unit, ref, st.nbytes(), sid)
 
     def note_dropped_alive(self, stage: int) -> None:
         """At the start of forward stage ``stage`` (``units`` after the last one): the dropped
-        tensors the forward still holds (StepStats.dropped_alive)."""
+        tensors the forward still holds (StepStats.dropped_alive, and per storage
+        ``alive_storages``: unit -> {storage id: (bytes, last stage alive)})."""
         alive = self.stats.dropped_alive
-        for key, (unit, ref, nbytes) in list(self.dropped.items()):
+        for key, (unit, ref, nbytes, sid) in list(self.dropped.items()):
             if ref.expired():
                 del self.dropped[key]
             else:
                 per_stage = alive.setdefault(unit, {})
                 per_stage[stage] = per_stage.get(stage, 0) + nbytes
+                if sid >= 0:
+                    self.alive_storages.setdefault(unit, {})[sid] = (nbytes, stage)
+
+    def note_alive_values(self, value_ids: Dict[int, int]) -> None:
+        """After the forward: ``alive_storages`` by the tracker's value ids
+        (StepStats.dropped_alive_values; storages no unit reads have no id and are left out)."""
+        self.stats.dropped_alive_values = {
+            unit: {value_ids[sid]: seen for sid, seen in per.items() if sid in value_ids}
+            for unit, per in self.alive_storages.items()
+        }
 
     def check_alive(self) -> None:
         if self.dead:

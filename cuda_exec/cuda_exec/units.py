@@ -533,6 +533,8 @@ class UnitTracker:
         #: one record per unit seen so far; complete after the context exits without error
         self.records: List[UnitRecord] = []
         self.segments: List[Segment] = []
+        #: after the forward: storage id -> value id of the values units read (held_values ids)
+        self.value_ids: Dict[int, int] = {}
         self.model_input_bytes = 0
         self._handles: List[Any] = []
         self._hooks_ctx: Optional[torch.autograd.graph.saved_tensors_hooks] = None
@@ -1140,7 +1142,7 @@ class UnitTracker:
     # ---------------------------------------------------------------- results
 
     def _finalize(self) -> None:
-        value_id: Dict[int, int] = {}  # storage id -> value id, numbered as first read
+        value_id = self.value_ids  # storage id -> value id, numbered as first read
         for rec, seg in zip(self.records, self.segments):
             i = rec.index
             producers: Set[int] = set()

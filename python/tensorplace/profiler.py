@@ -1004,11 +1004,23 @@ def _replay_windows(events: Sequence[Tuple[int, Optional[int], Optional[str]]],
     return out
 
 
+def _lingering_values(unit: int, alive: Dict[int, Tuple[int, int]], last_fwd: int,
+                      units: List[Dict[str, Any]]) -> List[List[int]]:
+    """`lingering_values` of ``unit``: its dropped values the replay step found the forward
+    still holding after its last forward reader (``alive``: value id -> (bytes, last stage)),
+    each only where a unit reads that value of ``unit`` with those bytes (``held_values`` /
+    ``saved_values``: the ids of the profile and of the replay step's executor agree)."""
+    read = {(v, b) for u in units for key in ("held_values", "saved_values") for p, v, b in u[key] if p == unit}
+    return sorted([v, b] for v, (b, stage) in alive.items() if stage > last_fwd and (v, b) in read)
+
+
 def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, n: int,
                  backend: Any, specs: Any, dev: torch.device,
-                 allocs: Optional[Dict[int, List[int]]] = None) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]]]:
+                 allocs: Optional[Dict[int, List[int]]] = None
+                 ) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]], Dict[int, Dict[int, Tuple[int, int]]]]:
     """The replay step (module docstring): ({unit: peak of its replay above its start},
-    StepStats.dropped_alive), or ({}, {}) with a warning if the all-recompute step fails.
+    StepStats.dropped_alive, StepStats.dropped_alive_values), or ({}, {}, {}) with a warning if
+    the all-recompute step fails.
     ``allocs``: filled with each replay's allocation sizes."""
     planned = executor_mod.PlannedModule(model, ["recompute"] * n, backend=backend, units=specs)
     try:
@@ -1019,7 +1031,9 @@ def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], los
             with _memory_recording(dev) as events:
                 _run_step(planned, args, loss_fn)
         stats = planned.last_stats
-        return _replay_windows(events, allocs), dict(stats.dropped_alive) if stats is not None else {}
+        if stats is None:
+            return _replay_windows(events, allocs), {}, {}
+        return _replay_windows(events, allocs), dict(stats.dropped_alive), dict(stats.dropped_alive_values)
     except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
         warnings.warn(
             f"the replay step (every unit recomputed) failed ({type(exc).__name__}: {exc}); the "
@@ -1028,7 +1042,7 @@ def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], los
             RuntimeWarning,
             stacklevel=3,
         )
-        return {}, {}
+        return {}, {}, {}
     finally:
         planned.close()
         _clear_grads(model)
@@ -1340,7 +1354,8 @@ def profile_model(
             plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
         replay_allocs: Dict[int, List[int]] = {}
-        replays, alive = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev, replay_allocs)
+        replays, alive, alive_values = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev,
+                                                    replay_allocs)
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
         # The optimizer step, per unit (on copies).
@@ -1412,6 +1427,9 @@ def profile_model(
         if late:
             u["lingering_bytes"] = min(u["act_bytes"], max(late.values()))
             u["lingering_until"] = max(late)
+            values = _lingering_values(i, alive_values.get(i, {}), last_fwd[i], out_units)
+            if values:
+                u["lingering_values"] = values
     const_total = sum(constant.values())
     fwd_c, bwd_c = _counted_all_retain(out_units, const_total)
     for i, u in enumerate(out_units):

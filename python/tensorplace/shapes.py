@@ -230,6 +230,8 @@ def scaled_profile(profile: Dict[str, Any], model: nn.Module, planned: Sequence[
         for k in ("held_values", "saved_values"):  # [[producer, value id, bytes], ...]
             if k in u:
                 u[k] = [[int(p), int(v), int(int(b) * of(int(p)))] for p, v, b in u[k]]
+        if "lingering_values" in u:  # [[value id, bytes], ...] of this unit's own values
+            u["lingering_values"] = [[int(v), min(int(int(b) * f), u["lingering_bytes"])] for v, b in u["lingering_values"]]
     itemsize = {s[1]: torch.empty((), dtype=getattr(torch, s[1].replace("torch.", ""))).element_size()
                 for s in new if s is not None and s[1]}
     if itemsize:

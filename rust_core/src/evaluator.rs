@@ -209,6 +209,9 @@ pub struct Scratch {
     charged_run: Vec<usize>,
     /// Per value id (profiles with `held_values` / `saved_values`), the run that last charged it.
     charged_value: Vec<usize>,
+    /// Per value id (profiles with `lingering_values`), the first unit whose forward holds it for
+    /// a replay under this plan (`usize::MAX`: none).
+    first_held: Vec<usize>,
     /// The unit's forward was replayed in this backward (a replay runs once, as in the executor).
     replayed: Vec<bool>,
     /// Per run (indexed by its first unit): the backward replays it (crate::incremental's bound).
@@ -328,6 +331,7 @@ impl Scratch {
         self.charged_run.clear();
         self.charged_run.resize(n, usize::MAX);
         self.charged_value.clear();
+        self.first_held.clear();
         if state_swaps {
             for v in [&mut self.param_resident, &mut self.param_out, &mut self.state_resident, &mut self.state_out] {
                 v.clear();
@@ -519,23 +523,58 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
     }
 
     /// Unit `u`'s activations leave the device (dropped, or swapped out), except the bytes the
-    /// forward still references: those leave after forward stage `linger_until[u]`.
+    /// forward still references: those leave after forward stage `linger_until[u]`. Lingering
+    /// values a checkpoint segment already holds for its replay are not counted twice.
     fn leave(&mut self, u: usize) {
         let g = self.g;
-        let still = match self.stage {
-            Stage::Start => true,
-            Stage::Fwd(s) => g.linger_until[u] >= s,
-            Stage::Bwd(_) | Stage::OptStep | Stage::Opt(_) => g.linger_until[u] >= g.n,
+        let s = match self.stage {
+            Stage::Start => 0,
+            Stage::Fwd(s) => s,
+            Stage::Bwd(_) | Stage::OptStep | Stage::Opt(_) => g.n,
         };
-        let keep = if still { g.linger[u] } else { 0 };
+        let keep = if g.linger_until[u] >= s { g.linger[u] - self.lingering_held_by(u, s) } else { 0 };
         self.mem -= g.act[u] - keep;
         self.s.lingering[u] += keep;
         if E::ENABLED {
             self.ev.free(What::Act(u), self.t);
-            if keep > 0 {
+            if keep > 0 && keep == g.linger[u] {
                 self.ev.rename(What::ActLinger(u), What::Lingering(u));
             } else {
                 self.ev.free(What::ActLinger(u), self.t);
+                self.ev.alloc(What::Lingering(u), keep, self.t);
+            }
+        }
+    }
+
+    /// Value `v` is held for a replay from the forward of unit `u` on (profiles with
+    /// `lingering_values`; the first such unit counts).
+    fn note_held(&mut self, v: usize, u: usize) {
+        if let Some(first) = self.s.first_held.get_mut(v) {
+            *first = (*first).min(u);
+        }
+    }
+
+    /// Bytes of unit `u`'s lingering values that a segment holds for its replay by forward stage `s`.
+    fn lingering_held_by(&self, u: usize, s: usize) -> u64 {
+        let held: u64 = self.g.linger_values[u].iter().filter(|&&(v, _)| self.s.first_held[v] <= s).map(|&(_, b)| b).sum();
+        held.min(self.g.linger[u])
+    }
+
+    /// At the forward of recomputed unit `i`, before it allocates what it holds: lingering values
+    /// it is the first to hold stop counting as lingering (the held bytes count them from now on).
+    fn hand_lingering_to_held(&mut self, i: usize) {
+        let g = self.g;
+        for &(p, v, _) in g.held_values[i].iter().chain(&g.saved_values[i]) {
+            if self.s.first_held[v] != i || self.s.lingering[p] == 0 {
+                continue;
+            }
+            let Some(&(_, b)) = g.linger_values[p].iter().find(|&&(w, _)| w == v) else { continue };
+            let moved = b.min(self.s.lingering[p]);
+            self.s.lingering[p] -= moved;
+            self.mem -= moved;
+            if E::ENABLED {
+                self.ev.free(What::Lingering(p), self.t);
+                self.ev.alloc(What::Lingering(p), self.s.lingering[p], self.t);
             }
         }
     }
@@ -1086,6 +1125,9 @@ fn simulate<E: MemoryEvents>(
     let restored = hooks.as_deref().is_some_and(|h| h.resume.is_some());
     scratch.reset_for(n, restored, schedule.any);
     scratch.charged_value.resize(g.value_ids, usize::MAX);
+    if g.any_linger_values {
+        scratch.first_held.resize(g.value_ids, usize::MAX);
+    }
     let constant = g.constant - schedule.host_bytes;
     let mut sim = Sim {
         g,
@@ -1143,6 +1185,7 @@ fn simulate<E: MemoryEvents>(
                     held = held.saturating_sub(b);
                 } else {
                     sim.s.charged_value[v] = run;
+                    sim.note_held(v, u);
                 }
             }
         } else {
@@ -1170,6 +1213,7 @@ fn simulate<E: MemoryEvents>(
                 if p < run && actions[p] == Action::Recompute && sim.s.charged_value[v] != run {
                     sim.s.charged_value[v] = run;
                     sim.s.held_saved[u] += b;
+                    sim.note_held(v, u);
                 }
             }
         } else {
@@ -1241,6 +1285,9 @@ fn simulate<E: MemoryEvents>(
         }
         let mut alloc = g.act[i] + if g.out_saved[i] { 0 } else { g.out[i] };
         if actions[i] == Action::Recompute {
+            if g.any_linger_values {
+                sim.hand_lingering_to_held(i);
+            }
             alloc += sim.s.held_bytes[i] + sim.s.held_saved[i];
             sim.s.held[i] = true;
         }

@@ -75,6 +75,11 @@ pub struct Unit {
     pub lingering_bytes: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lingering_until: Option<i64>,
+    /// The values (ids as in `held_values` / `saved_values`) of those lingering bytes that some
+    /// unit reads as an input, as `[value id, bytes]`: while a checkpoint segment holds such a
+    /// value for its replay, the forward's reference to it costs nothing more. Absent: none known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lingering_values: Option<Vec<[i64; 2]>>,
     /// The part of `held_input_bytes` that comes from earlier units' unsaved values, as
     /// `[producer, bytes]` pairs. When the producer is recomputed in the same run of consecutive
     /// recomputed units, the run's replay regenerates the value and nothing is held for it.
@@ -341,6 +346,10 @@ pub struct Graph {
     pub linger_until: Vec<usize>,
     /// For each forward stage, the units whose lingering bytes the forward lets go of after it.
     pub linger_release_after_fwd: Vec<Vec<usize>>,
+    /// Per unit, `lingering_values` as (value id, bytes) (empty without value ids), and whether
+    /// any unit has some.
+    pub linger_values: Vec<Vec<(usize, u64)>>,
+    pub any_linger_values: bool,
     /// Last forward stage that reads the unit's output (the unit itself if nobody does).
     pub last_fwd: Vec<usize>,
     /// Backward stage that first needs the unit's activations (largest reader), or None.
@@ -454,6 +463,9 @@ impl Profile {
             }
             if let (Some(b), Some(t)) = (u.lingering_bytes, u.lingering_until) {
                 h.update(format!("lingering{b}@{t};"));
+            }
+            if let Some(lv) = &u.lingering_values {
+                h.update(format!("lingering_values{lv:?};"));
             }
             if let Some(hf) = &u.held_from {
                 h.update(format!("held_from{hf:?};"));
@@ -609,6 +621,14 @@ impl Profile {
                 if p < 0 || p >= i as i64 || b < 0 {
                     return Err(CoreError::InvalidProfile(format!(
                         "unit {i} ({}) has saved_from entry [{p}, {b}]; it must be [an earlier unit 0..{i}, bytes >= 0]",
+                        u.name
+                    )));
+                }
+            }
+            for &[v, b] in u.lingering_values.iter().flatten() {
+                if v < 0 || b < 0 || b > u.lingering_bytes.unwrap_or(0) {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) has lingering_values entry [{v}, {b}]; it must be [value id >= 0, bytes from 0 to its lingering_bytes]",
                         u.name
                     )));
                 }
@@ -781,6 +801,17 @@ impl Profile {
                 })
                 .collect()
         };
+        let linger_values: Vec<Vec<(usize, u64)>> = (0..n)
+            .map(|u| match &self.units[u].lingering_values {
+                Some(lv) if linger[u] > 0 => lv
+                    .iter()
+                    .filter(|&&[v, _]| (v as usize) < value_ids)
+                    .map(|&[v, b]| (v as usize, b as u64))
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let any_linger_values = linger_values.iter().any(|lv| !lv.is_empty());
         let has_optimizer = self.optimizer.is_some();
         let opt_of = |f: &dyn Fn(&Unit) -> i64| -> Vec<u64> {
             if has_optimizer { u64s(f) } else { vec![0; n] }
@@ -886,6 +917,8 @@ impl Profile {
             linger,
             linger_until,
             linger_release_after_fwd,
+            linger_values,
+            any_linger_values,
             last_fwd,
             first_need,
             last_use,

@@ -22,6 +22,7 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         replay_transient_bytes: None,
         lingering_bytes: None,
         lingering_until: None,
+        lingering_values: None,
         held_from: None,
         saved_from: None,
         param_bytes: None,

@@ -460,6 +460,43 @@ fn a_segment_holds_two_values_of_one_producer_twice_and_one_value_once() {
 }
 
 #[test]
+fn a_lingering_value_a_segment_holds_counts_once() {
+    // Unit 0 (100 bytes, recomputed) is let go after its reader, unit 1, but the forward's code
+    // keeps its value (id 0) until stage 3. A later segment holds that same value for its replay:
+    // unit 1 (case a, its forward before unit 0 leaves) or unit 3 (case b, after). Named as a
+    // lingering value, the held and the lingering bytes are one storage, counted once;
+    // unnamed, both are counted from the holder's forward to stage 3. The allocation sequence
+    // follows the count exactly either way.
+    for holder in [1usize, 3] {
+        let mut p = chain(&[1.0; 4], &[100, 10, 10, 10], 1000, 1.0);
+        for u in p.units.iter_mut() {
+            u.held_values = Some(vec![]);
+            u.saved_values = Some(vec![]);
+        }
+        p.units[holder].saved_values = Some(vec![[0, 0, 100]]);
+        p.units[0].lingering_bytes = Some(100);
+        p.units[0].lingering_until = Some(3);
+        let peak_at = |p: &tensorplace_core::Profile, stage: usize| {
+            let g = p.graph().unwrap();
+            let starts = [true; 4];
+            let o = tensorplace_core::evaluator::evaluate_segments(
+                &g, &[Recompute; 4], &starts, u64::MAX, &EvalOptions::default(), &mut Scratch::new(g.n), true,
+            );
+            let seq = tensorplace_core::alloc_sequence::allocation_sequence(&g, &[Recompute; 4], &starts, u64::MAX, &EvalOptions::default())
+                .unwrap();
+            assert_eq!(seq.requested_peak(), o.peak_bytes, "holder {holder}: peak of constant + live blocks");
+            o.curve.iter().find(|c| c.stage == Stage::Fwd(stage)).unwrap().peak
+        };
+        let twice = peak_at(&p, 3);
+        p.units[0].lingering_values = Some(vec![[0, 100]]);
+        assert_eq!(peak_at(&p, 3), twice - 100, "holder {holder}");
+        // a value nobody holds stays lingering
+        p.units[0].lingering_values = Some(vec![[1, 100]]);
+        assert_eq!(peak_at(&p, 3), twice, "holder {holder}");
+    }
+}
+
+#[test]
 fn a_random_segments_replay_holds_two_generator_states() {
     // The same replay as above (the last unit's: 30 bytes and 40 of scratch on the 10 + 20
     // replayed before it, on 5 bytes of its stage): a segment that draws random numbers holds the

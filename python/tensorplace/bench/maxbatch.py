@@ -69,6 +69,7 @@ def extrapolate(p1: Dict[str, Any], b1: int, p2: Dict[str, Any], b2: int, b: int
     for x, y, o in zip(u1, u2, out["units"]):  # value ids of one profiling run; the cost model falls back to held_from/saved_from
         o.pop("held_values", None)
         o.pop("saved_values", None)
+        o.pop("lingering_values", None)
         if "bwd_replay_bytes" not in x or "bwd_replay_bytes" not in y:  # not one batch's: the stage's whole peak
             o.pop("bwd_replay_bytes", None)
         if "replay_slack_bytes" in x and "replay_slack_bytes" not in y:  # measured at one batch only: kept
