@@ -1239,6 +1239,54 @@ def test_a_prefetch_before_the_offload_completed_keeps_the_device_bytes_instead_
     be.close()
 
 
+def test_a_prefetch_cancels_an_offload_that_has_not_started() -> None:
+    """As the cost model and the CUDA backend: a swap-out still queued when its prefetch comes
+    never runs (its copy time goes to the copies behind it); the fetch hands back its device
+    bytes. Before, the CPU backend cancelled only at the fetch, and a copy started in between."""
+    be = CpuBackend(bandwidth_cap=1e6)  # 1 MB/s: each 100 KB copy takes about 0.1 s
+    first, second = torch.arange(100_000, dtype=torch.uint8), torch.ones(100_000, dtype=torch.uint8)
+    h1, h2 = be.offload(first), be.offload(second)  # the second waits behind the first
+    be.prefetch(h2)
+    be.synchronize()
+    assert be.stats().cancelled_offloads == 1
+    out = be.fetch(h2)
+    assert out.data_ptr() == second.data_ptr()
+    assert be.stats().prefetches == 0  # nothing was copied back
+    for h in (h1, h2):
+        be.release(h)
+    be.close()
+
+
+def test_a_units_storages_leave_the_device_together() -> None:
+    """A swapped unit's storages are one copy in the cost model: the CPU backend lets their device
+    bytes go when the last of them has been copied, so a fetch while part of the unit is still on
+    its way uses every storage's device bytes (no copy back of the part already out), as the
+    model has it. A swap deadline still lets go of the storage it waits for at once."""
+    be = CpuBackend(bandwidth_cap=1e6)
+    group = be.new_copy_group()
+    a, slow, b = (torch.full((n,), k, dtype=torch.uint8) for k, n in ((1, 1_000), (2, 200_000), (3, 1_000)))
+    ha = be.offload(a, group)
+    hs = be.offload(slow)
+    hb = be.offload(b, group)
+    assert ha.offload_done.wait(5)
+    be.poll()
+    assert not hs.offload_done.is_set() and be.offload_in_flight(ha)  # b is still on its way: a stays
+    out = be.fetch(ha)
+    assert out.data_ptr() == a.data_ptr() and be.stats().prefetches == 0
+    be.synchronize()
+    be.poll()
+    assert not be.offload_in_flight(hb)  # the group's last copy done: its bytes went
+    # a deadline (wait_offload) lets go of its own storage whatever the group
+    g2 = be.new_copy_group()
+    hc, hd = be.offload(torch.zeros(1_000, dtype=torch.uint8), g2), be.offload(torch.zeros(200_000, dtype=torch.uint8), g2)
+    be.wait_offload(hc)
+    assert not be.offload_in_flight(hc) and be.offload_in_flight(hd)
+    be.synchronize()
+    for h in (ha, hs, hb, hc, hd):
+        be.release(h)
+    be.close()
+
+
 def test_new_input_shapes_relearn_and_train_as_the_model() -> None:
     """A steady step's tables hold for the shapes they were learned on: other shapes are learned
     once (a warning the first time) and kept, and every step trains bitwise equal to the model."""

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["CpuBackend", "CpuHostHandle", "BackendStats"]
+__all__ = ["CpuBackend", "CpuHostHandle", "CopyGroup", "BackendStats"]
 
 
 class CpuHostHandle:
@@ -32,7 +32,8 @@ class CpuHostHandle:
 
     __slots__ = (
         "nbytes", "buf", "source", "device_tensor", "offload_done", "prefetch_done",
-        "prefetch_issued", "cancelled", "released", "pending", "error", "keep_source", "copy_idle", "__weakref__",
+        "prefetch_issued", "cancelled", "released", "pending", "error", "keep_source", "copy_idle", "group",
+        "__weakref__",
     )
 
     def __init__(self, nbytes: int, buf: np.ndarray, source: Optional[torch.Tensor], threaded: bool = True) -> None:
@@ -56,6 +57,21 @@ class CpuHostHandle:
         self.copy_idle = threading.Event() if threaded else _ALWAYS
         if threaded:
             self.copy_idle.set()
+        #: the copies whose device bytes leave together (:class:`CopyGroup`), or None
+        self.group: Optional[CopyGroup] = None
+
+
+class CopyGroup:
+    """Offloads whose device bytes leave together, when the last of them has been copied: the
+    storages of one swapped unit, whose copy the cost model has as one (a fetch while part of it
+    is still being copied uses every storage's device bytes, as the model does, instead of
+    copying back the part already out)."""
+
+    __slots__ = ("pending", "done")
+
+    def __init__(self) -> None:
+        self.pending = 0  #: offloads of the group queued and not yet seen done by poll()
+        self.done: List[CpuHostHandle] = []  #: those seen done, their device bytes kept
 
 
 #: the event of handles whose copies run on the caller's thread: always set, never cleared
@@ -158,8 +174,16 @@ class CpuBackend:
 
     # ------------------------------------------------------------------ the Backend interface
 
-    def offload(self, tensor: torch.Tensor) -> CpuHostHandle:
-        """Queue a copy of ``tensor`` (1-D contiguous uint8 on CPU) to a host buffer."""
+    #: offload() takes a CopyGroup (the executor groups a swapped unit's storages)
+    groups_copies = True
+
+    def new_copy_group(self) -> CopyGroup:
+        return CopyGroup()
+
+    def offload(self, tensor: torch.Tensor, group: Optional[CopyGroup] = None) -> CpuHostHandle:
+        """Queue a copy of ``tensor`` (1-D contiguous uint8 on CPU) to a host buffer. With a
+        ``group``, its device bytes are let go (poll) only once every offload of the group queued
+        so far has been copied."""
         if self._error is not None or self._closed:
             self._check()
         if self._done:
@@ -180,6 +204,9 @@ class CpuBackend:
                 c["offload_bytes"] += n
             return h
         h = CpuHostHandle(n, self._take_buffer(n), tensor)
+        if group is not None:
+            h.group = group
+            group.pending += 1
         with self._lock:
             h.pending += 1
             self._live[id(h)] = h
@@ -209,10 +236,24 @@ class CpuBackend:
             done, self._done = self._done, []
         freed = 0
         for h in done:
-            if not h.keep_source:
-                h.source = None
-                freed += 1
+            g = h.group
+            if g is None:
+                freed += self._drop_source(h)
+                continue
+            g.pending -= 1
+            g.done.append(h)
+            if g.pending == 0:
+                for m in g.done:
+                    freed += self._drop_source(m)
+                g.done.clear()
         return freed
+
+    @staticmethod
+    def _drop_source(h: CpuHostHandle) -> int:
+        if h.keep_source or h.source is None:
+            return 0
+        h.source = None
+        return 1
 
     def wait_offload(self, handle: CpuHostHandle) -> None:
         """Block until `handle`'s offload has completed (and those queued before it), then free
@@ -224,6 +265,8 @@ class CpuBackend:
                 self._check()
             self._fetch_wait += time.perf_counter() - t0
         self.poll()
+        if h.offload_done.is_set():  # the model's deadline: these bytes leave now, group or not
+            self._drop_source(h)
 
     def release_offload(self, handle: CpuHostHandle) -> None:
         """The cost model's wait for a swap-out before a stage. The CPU has no streams to make
@@ -245,8 +288,13 @@ class CpuBackend:
         h.prefetch_issued = True
         if h.source is not None:
             # the offload has not completed: keep the device bytes (fetch hands them back) rather
-            # than allocate a second copy next to them
-            h.keep_source = True
+            # than allocate a second copy next to them; one that has not started never runs (the
+            # cost model cancels a swap-out still queued when its prefetch comes, as the CUDA
+            # backend does: its copy time goes to the copies queued behind it)
+            with self._lock:
+                if h.copy_idle.is_set() and not h.offload_done.is_set():
+                    h.cancelled = True
+                h.keep_source = True
             return
         h.device_tensor = torch.empty(h.nbytes, dtype=torch.uint8)
         if h.offload_done is _ALWAYS:  # a handle whose copies run here

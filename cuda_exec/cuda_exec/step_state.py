@@ -108,7 +108,15 @@ class _Entry:
         """Queue the device-to-host copy (once)."""
         if self.host is _QUEUED_LATER and self.source is not None:
             source, self.source = self.source, None
-            self.host = self.state.backend.offload(source)
+            state = self.state
+            backend = state.backend
+            if getattr(backend, "groups_copies", False):  # the unit's storages leave together
+                group = state.copy_groups.get(self.unit)
+                if group is None:
+                    group = state.copy_groups[self.unit] = backend.new_copy_group()
+                self.host = backend.offload(source, group)
+            else:
+                self.host = backend.offload(source)
 
     def prefetch(self) -> None:
         self.queue_offload()
@@ -277,6 +285,8 @@ class _StepState:
         self.dropped: Dict[int, Tuple[int, StorageWeakRef, int, int]] = {}
         #: unit -> {tracker storage id: (bytes, last forward stage the forward still held it)}
         self.alive_storages: Dict[int, Dict[int, Tuple[int, int]]] = {}
+        #: swapped unit -> the backend's group of its storages' copies (backends that group them)
+        self.copy_groups: Dict[int, Any] = {}
         self.fired: Set[int] = set()
         self.dead = False
         self.backward_running = False
