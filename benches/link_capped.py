@@ -8,7 +8,9 @@ three budgets, each run for ``--repeats`` timed steps. A row
 prints the swaps and recomputes, the predicted and measured peak (torch's allocation records)
 and the predicted and measured step (median), the measured step over the predicted one, and
 that ratio over the unplanned step's (measured right before the plan's steps, over the profile's
-all-retain prediction: how far the machine's speed moved since profiling).
+all-retain prediction: how far the machine's speed moved since profiling), and the bytes copied
+back per step: the model's (its host-to-device copies) and the CPU backend's (median of three more
+steps; a swap-out the model cancels or uses from the device is not copied back).
 
 Run: ``python benches/link_capped.py --model gpt6 --batch 8 --seq 256`` or
 ``--model resnet18 --batch 32 --image 128``; ``--json F`` writes the rows. Exits 1 if a plan was
@@ -67,13 +69,13 @@ def main() -> int:
               f"{plain['peak_bytes'] / 2**20:.1f} MiB; profile's step {probe.predicted['step_time'] * 1e3:.1f} ms",
               flush=True)
         print("| plan | swap / recompute | predicted peak | measured peak | predicted step | measured step | measured / predicted "
-              "| over the unplanned step's |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| over the unplanned step's | copied back per step, predicted / measured |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for label, make in plans:
             try:
                 plan = make()
             except tp.BudgetError as exc:
-                print(f"| {label} | refused: {str(exc).splitlines()[0]} | | | | | | |", flush=True)
+                print(f"| {label} | refused: {str(exc).splitlines()[0]} | | | | | | | |", flush=True)
                 continue
             drift = unplanned_step_stats(model, inputs, loss_fn=loss_fn, repeats=a.repeats)["step_time"] / \
                 probe.predicted["step_time"]
@@ -81,18 +83,29 @@ def main() -> int:
             t = time.perf_counter()
             try:
                 m = unplanned_step_stats(fast, inputs, loss_fn=loss_fn, repeats=a.repeats)
+                back = []
+                for _ in range(3):
+                    before = backend.stats().prefetch_bytes
+                    loss_fn(fast(*inputs)).backward()
+                    model.zero_grad(set_to_none=True)
+                    back.append(backend.stats().prefetch_bytes - before)
             finally:
                 fast.close()
+            d = plan.to_dict()
+            modelled = tp.evaluate(profile, d["actions"], d["budget_bytes"], segment_starts=d["segment_starts"])
+            model_back = sum(c["bytes"] for c in modelled["copies"] if c["direction"] == "h2d")
             c = plan.counts()
             row = {"plan": label, "swap": c["swap"], "recompute": c["recompute"],
                    "predicted_peak_bytes": plan.predicted["peak_bytes"], "measured_peak_bytes": m["peak_bytes"],
                    "predicted_step": plan.predicted["step_time"], "measured_step": m["step_time"],
-                   "measured_steps": m["step_times"], "drift": drift, "wall": time.perf_counter() - t}
+                   "measured_steps": m["step_times"], "drift": drift, "wall": time.perf_counter() - t,
+                   "predicted_copied_back_bytes": model_back, "measured_copied_back_bytes": sorted(back)[1]}
             rows.append(row)
             print(f"| {label} | {c['swap']} / {c['recompute']} | {row['predicted_peak_bytes'] / 2**20:.1f} MiB | "
                   f"{row['measured_peak_bytes'] / 2**20:.1f} MiB | {row['predicted_step'] * 1e3:.0f} ms | "
                   f"{row['measured_step'] * 1e3:.0f} ms | {row['measured_step'] / row['predicted_step']:.3f} | "
-                  f"{row['measured_step'] / row['predicted_step'] / drift:.3f} |", flush=True)
+                  f"{row['measured_step'] / row['predicted_step'] / drift:.3f} | "
+                  f"{model_back / 2**20:.1f} / {row['measured_copied_back_bytes'] / 2**20:.1f} MiB |", flush=True)
     finally:
         backend.close()
     if a.json:
