@@ -6,6 +6,7 @@ and checks that the evaluator's all-retain plan reproduces the measured peak.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import tensorplace as tp
 from tensorplace import _core
 from tensorplace import profiler as tpp
 
@@ -416,6 +418,32 @@ class Extra(nn.Module):
         return self.out(h)
 
 
+def test_host_costs_are_fitted_to_the_model_only_upwards():
+    """The executor's calibrated host costs come from synthetic blocks; the profile raises them
+    (never lowers them) until the cost model predicts a plan's measured step on this model, the
+    step over the plain step timed between its steps, times the profile's plain step."""
+    from tensorplace.profiler import _fit_cost
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
+    costs = p["executor"]
+    assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) for k in ("drop", "swap", "swap_async", "stage"))
+    actions = ["recompute"] * 5
+    step = lambda q: tp.evaluate(q, actions, 2**62)["step_time"]  # noqa: E731
+    before = step(p)
+    slower = before / p["measured"]["step_time"] * 1.5  # the plan measured 1.5x its prediction
+    q = copy.deepcopy(p)
+    _fit_cost(q, actions, None, [1.0, 1.0, 1.0], [slower] * 3, ("drop",))
+    assert q["executor"]["drop"] > p["executor"]["drop"]
+    assert q["executor"]["drop_calibrated"] == p["executor"]["drop"]
+    assert step(q) == pytest.approx(1.5 * before, rel=1e-6)
+    # a plan measured faster than its prediction leaves the costs as they are
+    r = copy.deepcopy(p)
+    _fit_cost(r, actions, None, [1.0] * 3, [0.5 * slower / 1.5] * 3, ("drop",))
+    assert r["executor"] == p["executor"]
+
+
 def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     cex = _executor_module()
     plans = []
@@ -429,10 +457,14 @@ def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
-    # of this model, only the replay steps (every unit recomputed) run through the executor: the
-    # replay step, then the steady replay step's two (the executor's host costs, measured once
-    # per process, run executors of other models)
-    assert [p for p in plans if len(p) == 5] == [["recompute"] * 5] * 3
+    # of this model, only the plans whose steps the profile measures run through the executor:
+    # every unit recomputed in the replay step, then the steady replay step's two and three timed
+    # ones; the first unit swapped alone and every unit swapped, a learning step and three timed
+    # ones each (the executor's host costs, measured once per process, run executors of other
+    # models)
+    first = ["retain"] * 5
+    first[next(i for i, u in enumerate(p["units"]) if u["act_bytes"] > 0)] = "swap"
+    assert [p for p in plans if len(p) == 5] == [["recompute"] * 5] * 6 + [first, ["swap"] * 5] * 4
     assert _hooks_left(model) == 0
     assert torch._C._len_torch_function_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

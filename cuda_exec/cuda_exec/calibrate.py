@@ -14,9 +14,12 @@ differ in one thing at a time:
   its unpack; the hook calls of the segment's other saved tensors are spread over them): the one
   segment against the plain step and the forward it replays;
 * ``swap``: one more storage swapped (its entry, the copy out and back through the backend, its
-  unpack; the stage-boundary work a swap plan does at every unit is spread over them);
-  ``swap_async`` the same for a storage larger than ``inline_bytes``, which the CPU backend
-  copies on its copy thread rather than on the caller's;
+  unpack): the all-swap plan against the one swapping the first unit alone; ``swap_async`` the
+  same for a storage larger than ``inline_bytes``, which the CPU backend copies on its copy
+  thread rather than on the caller's;
+* ``stage``: per stage after a plan's first swapped unit, the swap work at its boundary (frees of
+  completed copies, deadlines, the prefetch schedule's hooks): the plan swapping the first unit
+  alone against the plain step, less that unit's swap;
 * ``tracked_op``: one more glue call of a segment the executor tracks because its glue lies
   outside its module calls (the TorchFunctionMode records it in every step, the replay runs the
   recording; the tracker's work per unit is spread over its glue calls).
@@ -37,7 +40,7 @@ from torch import nn
 __all__ = ["executor_costs", "COST_KEYS"]
 
 #: the host costs a profile's ``executor`` section holds (seconds)
-COST_KEYS = ("segment", "drop", "swap", "swap_async", "tracked_op", "inline_bytes")
+COST_KEYS = ("segment", "drop", "swap", "swap_async", "tracked_op", "stage", "inline_bytes")
 
 _cache: Dict[Tuple[Any, ...], Dict[str, float]] = {}
 
@@ -162,16 +165,19 @@ def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, ba
     }
     # swaps with each unit's copy back issued one stage before it is needed (as a planned step)
     swap_plan = {"actions": ["swap"] * n, "prefetch": [[u, min(u + 2, n - 1)] for u in range(n - 1)]}
+    # the first unit swapped alone: every later stage does the swap plan's boundary work
+    first_plan = {"actions": ["swap"] + ["retain"] * (n - 1), "prefetch": [[0, min(2, n - 1)]]}
     backends = _swap_backends(dev, backend)
     planned = {k: PlannedModule(model, p, backend=backend) for k, p in plans.items()}
     for k, be in backends.items():
         planned[k] = PlannedModule(model, swap_plan, backend=be)
+    planned["swap_first"] = PlannedModule(model, first_plan, backend=backends["swap"])
     try:
         runs: Dict[str, Callable[[], None]] = {"plain": step(model), "forward": forward(model),
                                                "front": forward(front)}
         runs.update({k: step(m) for k, m in planned.items()})
         t = _median_steps(runs, rounds, clock)
-        swaps = {k: int(planned[k].last_stats.swap_storages) for k in backends}
+        swaps = {k: int(planned[k].last_stats.swap_storages) for k in [*backends, "swap_first"]}
     finally:
         for m in planned.values():
             m.close()
@@ -181,13 +187,16 @@ def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, ba
     plain, fwd, front_fwd = t["plain"], t["forward"], t["front"]
     segment = max(0.0, (t["blocks"] - t["one"]) / (blocks - 1))
     drop = max(0.0, (t["one"] - plain - fwd - segment) / max(sum(packs), 1))
-    swap = max(0.0, (t["swap"] - plain) / max(swaps["swap"], 1))
-    swap_async = max(0.0, (t["swap_async"] - plain) / max(swaps["swap_async"], 1)) if "swap_async" in t else swap
+    # all swapped: storages x swap + (n - 1) x stage; the first alone: its storages x swap + (n - 1) x stage
+    swap = max(0.0, (t["swap"] - t["swap_first"]) / max(swaps["swap"] - swaps["swap_first"], 1))
+    stage = max(0.0, (t["swap_first"] - plain - swaps["swap_first"] * swap) / (n - 1))
+    swap_async = (max(0.0, (t["swap_async"] - plain - (n - 1) * stage) / max(swaps["swap_async"], 1))
+                  if "swap_async" in t else swap)
     a_units = range(0, n, 2)
     tracked = (t["tracked"] - plain - front_fwd - blocks * segment - drop * sum(packs[u] for u in a_units))
     tracked_op = max(0.0, tracked / max(sum(glue[u] for u in a_units), 1))
     costs = {"segment": segment, "drop": drop, "swap": swap, "swap_async": swap_async, "tracked_op": tracked_op,
-             "inline_bytes": float(getattr(backends["swap"], "inline_bytes", 0))}
+             "stage": stage, "inline_bytes": float(getattr(backends["swap"], "inline_bytes", 0))}
     if cached:
         _cache[key] = dict(costs)
     return costs

@@ -38,6 +38,10 @@ What one profile call runs, all on the user's model and inputs, in training mode
    replays is above the cost model's prediction of that plan at the backward stage where it
    replays, the excess is that stage's `replay_slack_bytes`, which the model adds under every
    replay of the stage. Skipped, with a warning, if the steps fail.
+6. **Host costs fitted to the model** (on a CPU through the CPU backend): the all-recompute plan's,
+   the first-unit-swapped plan's and the all-swap plan's steady steps, each timed between plain
+   steps, raise the executor's calibrated `drop`, `stage` and `swap`/`swap_async` costs where the
+   cost model predicts the plan shorter than measured (`executor`, docs/formats.md).
 
 Every step checks that the model ran the same sequence of units as the structure step: a model
 whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
@@ -154,6 +158,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import json
 import os
 import statistics
 import sys
@@ -1468,8 +1473,11 @@ def profile_model(
         **({"optimizer": opt_other} if opt_other is not None else {}),
         "units": out_units,
     }
+    fit = _fits_host_costs(dev, backend)
     with _preserved(model, dev):
-        _add_replay_slack(profile, model, args, loss_fn, backend, dev, const_total, specs)
+        _add_replay_slack(profile, model, args, loss_fn, backend, dev, const_total, specs, repeats, fit)
+        if fit:
+            _fit_swap_cost(profile, model, args, loss_fn, backend, dev, specs, repeats)
     return profile
 
 
@@ -1482,17 +1490,37 @@ def _replay_window_levels(events: Sequence[Tuple[int, Optional[int], Optional[st
     return out
 
 
+def _fits_host_costs(dev: torch.device, backend: Any) -> bool:
+    """Whether the profile fits the executor's host costs to the model (:func:`_fit_cost`): on a
+    CPU through the CPU backend, where the host runs the kernels and a plan's step beyond its
+    prediction is host work. Not on a GPU (a step may wait on the device, and the host's work
+    overlaps it) nor on the simulated one (its copies' simulated durations are in the steps)."""
+    if dev.type != "cpu":
+        return False
+    if backend is None:
+        return True
+    mod = _cuda_exec_module("cpu_backend")
+    cls = getattr(mod, "CpuBackend", None) if mod is not None else None
+    return cls is not None and isinstance(backend, cls)
+
+
 def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, backend: Any,
-                      dev: torch.device, const_total: int, units_spec: Any) -> None:
+                      dev: torch.device, const_total: int, units_spec: Any, repeats: int = 3,
+                      fit: bool = True) -> None:
     """``replay_slack_bytes`` (module docstring, the steady replay step): the all-recompute plan of
     ``profile`` trained for two steps through the executor, the second (a steady step, whose
     replays call a segment's modules again) recorded; where it held more while it replayed a
     segment than the cost model's prediction of that plan at the backward stage where the segment
-    replays, the excess goes on that stage's unit. Skipped, with a warning, if the steps fail."""
+    replays, the excess goes on that stage's unit. Then, with ``fit`` (:func:`_fits_host_costs`),
+    ``repeats`` (at least 3) more steps of the plan, each after a plain step, fit the executor's
+    ``drop`` cost to this model (:func:`_fit_cost`). Skipped, with a warning, if the steps fail."""
     from .api import run
     from .planning import evaluate, plan_profile
 
     units = profile["units"]
+    clock = _Clock(dev)
+    plain_s: List[float] = []
+    planned_s: List[float] = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the executor's own warnings about this plan
@@ -1504,6 +1532,9 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
                 gc.collect()
                 with _memory_recording(dev) as events:
                     _run_step(fast, args, loss_fn)
+                for _ in range(max(3, int(repeats)) if fit else 0):  # interleaved: the machine's speed moves
+                    plain_s.append(_timed_plain_step(model, args, loss_fn, clock))
+                    planned_s.append(_timed_plain_step(fast, args, loss_fn, clock))
             finally:
                 fast.close()
                 _clear_grads(model)
@@ -1521,6 +1552,93 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
         excess = const_total + level - stage_peak[s]
         if excess > units[s].get("replay_slack_bytes", 0):
             units[s]["replay_slack_bytes"] = int(excess)
+    _fit_cost(profile, plan.actions, plan.to_dict().get("segment_starts"), plain_s, planned_s, ("drop",))
+
+
+def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[Sequence[int]],
+              plain_s: Sequence[float], planned_s: Sequence[float], keys: Sequence[str]) -> None:
+    """The executor's host costs ``keys`` (``drop``; ``swap`` and ``swap_async``) fitted to this
+    model: the calibration (cuda_exec/calibrate.py) times them on small synthetic blocks, and a
+    model whose saved tensors cost more to drop, capture and unpack, or to swap (views of
+    attention heads, say), or whose replays take longer than its profiled forwards, is predicted
+    short. The plan's measured step (``planned_s``' median, over the median of the plain steps
+    timed between them, times the profile's plain step) is the target; where the model predicts
+    the plan shorter, the costs are raised by one factor until it does not (never lowered: a step
+    that waits on the device hides host work), and the calibrated figures are kept as
+    ``<key>_calibrated``."""
+    from .planning import evaluate
+
+    costs = profile.get("executor")
+    if not costs or not plain_s or not planned_s or min(plain_s) <= 0:
+        return
+    target = float(profile["measured"]["step_time"]) * statistics.median(planned_s) / statistics.median(plain_s)
+    # a cost calibrated at 0 (the synthetic model showed none) is raised from 1 us
+    base = {k: max(float(costs.get(k) or 0.0), 1e-6) for k in keys if k in costs}
+    if not base:
+        return
+
+    def predicted(f: float) -> float:
+        trial = dict(profile, executor=dict(costs, **{k: v * f for k, v in base.items()}))
+        return float(evaluate(trial, list(actions), 2**62, segment_starts=starts)["step_time"])
+
+    if predicted(1.0) >= target:
+        return
+    lo, hi = 1.0, 2.0
+    while predicted(hi) < target:
+        if hi >= 1024:  # not the executor's work
+            return
+        hi *= 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+    for k, v in base.items():
+        costs[f"{k}_calibrated"] = float(costs.get(k) or 0.0)
+        costs[k] = v * hi
+
+
+def _fit_swap_cost(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, backend: Any,
+                   dev: torch.device, units_spec: Any, repeats: int) -> None:
+    """The swap costs fitted to this model (:func:`_fit_cost`): ``stage`` from the plan that
+    swaps the first unit with activations alone (every later stage does the swap plan's boundary
+    work), then ``swap`` and ``swap_async`` from the all-swap plan; each plan's steps timed after
+    its learning step, interleaved with plain steps. Skipped, with a warning, if the steps fail."""
+    from . import _core
+    from .api import run
+    from .planning import Plan, plan_profile, profile_json
+
+    if not profile.get("executor"):
+        return
+    units = profile["units"]
+    first = next((i for i, u in enumerate(units) if u["act_bytes"] > 0), None)
+    if first is None:
+        return
+    clock = _Clock(dev)
+    alone = ["retain"] * len(units)
+    alone[first] = "swap"
+    plans = {"first": Plan(json.loads(_core.plan_from_actions(profile_json(profile), 2**62, alone, "swap-first"))),
+             "all": plan_profile(profile, 2**62, "swap-all")}
+    times: Dict[str, List[float]] = {"plain": [], "first": [], "all": []}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fast = {k: run(model, p, backend=backend, units=units_spec) for k, p in plans.items()}
+            try:
+                for m in fast.values():
+                    _run_step(m, args, loss_fn)  # the executor's first step
+                for _ in range(max(3, int(repeats))):
+                    times["plain"].append(_timed_plain_step(model, args, loss_fn, clock))
+                    for k, m in fast.items():
+                        times[k].append(_timed_plain_step(m, args, loss_fn, clock))
+            finally:
+                for m in fast.values():
+                    m.close()
+                _clear_grads(model)
+    except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
+        warnings.warn(f"the swap plans' steps failed ({type(exc).__name__}: {exc}); the profile keeps the calibrated "
+                      "swap costs", RuntimeWarning, stacklevel=3)
+        return
+    for k, keys in (("first", ("stage",)), ("all", ("swap", "swap_async"))):
+        _fit_cost(profile, plans[k].actions, None, times["plain"], times[k], keys)
 
 
 def unplanned_step_stats(

@@ -1228,15 +1228,25 @@ fn simulate<E: MemoryEvents>(
 
     // The executor's host work per forward stage under this plan (docs/cost-model.md, "Host
     // time"): per swapped storage, per saved tensor of a recomputed unit's segment, per glue call
-    // of a tracked run (one with a unit whose glue lies outside the run's module calls).
+    // of a tracked run (one with a unit whose glue lies outside the run's module calls), per stage
+    // after the first swapped unit.
     let c = g.costs;
     if c != crate::profile::ExecutorCosts::default() {
         for u in 0..n {
             sim.s.fwd_over[u] = match actions[u] {
                 Action::Retain => 0.0,
-                Action::Swap => c.swap_host(g.act[u] as f64, g.act_storages[u]),
+                Action::Swap => c.swap_host(g.act[u] as f64, g.act_storages[u], g.d2h, g.h2d),
                 Action::Recompute => c.drop * g.packs[u],
             };
+        }
+        // Every stage after the first swapped unit's does swap work at its boundary (frees of
+        // completed copies, deadlines, the prefetch schedule's hooks), whatever its own action.
+        if c.stage > 0.0 {
+            if let Some(first) = actions.iter().position(|&a| a == Action::Swap) {
+                for over in &mut sim.s.fwd_over[first + 1..] {
+                    *over += c.stage;
+                }
+            }
         }
         let mut u = 0;
         while u < n {

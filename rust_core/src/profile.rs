@@ -197,15 +197,25 @@ pub struct ExecutorCosts {
     /// Per glue call of a tracked segment (recorded in the forward, replayed from the recording).
     #[serde(default)]
     pub tracked_op: f64,
+    /// Per unit after a plan's first swapped unit: the swap work at its stage boundaries (frees
+    /// of completed copies, deadlines, the prefetch schedule's hooks). Absent: 0 (older profiles
+    /// have it spread over `swap`).
+    #[serde(default)]
+    pub stage: f64,
 }
 
 impl ExecutorCosts {
     /// Host seconds to swap `bytes` of activations held in `storages` storages: `swap` per storage,
-    /// `swap_async` where their mean size is above `inline_bytes`.
-    pub fn swap_host(&self, bytes: f64, storages: f64) -> f64 {
+    /// `swap_async` where their mean size is above `inline_bytes`. Storages of at most
+    /// `inline_bytes` are copied on the caller's thread (the CPU backend's small copies), so their
+    /// copies out and back, at the links' bandwidths `d2h` and `h2d`, are host time too.
+    pub fn swap_host(&self, bytes: f64, storages: f64, d2h: f64, h2d: f64) -> f64 {
         let per = bytes / storages.max(1.0);
-        let cost = if per > self.inline_bytes { self.swap_async.unwrap_or(self.swap) } else { self.swap };
-        cost * storages
+        if per > self.inline_bytes {
+            self.swap_async.unwrap_or(self.swap) * storages
+        } else {
+            self.swap * storages + bytes / d2h + bytes / h2d
+        }
     }
 }
 

@@ -11,7 +11,7 @@ fn eval(p: &tensorplace_core::Profile, a: &[Action]) -> tensorplace_core::Outcom
 }
 
 fn costs() -> ExecutorCosts {
-    ExecutorCosts { segment: 0.5, drop: 0.25, swap: 1.0, swap_async: Some(2.0), inline_bytes: 15.0, tracked_op: 3.0 }
+    ExecutorCosts { segment: 0.5, drop: 0.25, swap: 1.0, swap_async: Some(2.0), inline_bytes: 15.0, tracked_op: 3.0, stage: 0.0 }
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -40,14 +40,45 @@ fn a_cpu_stage_pays_the_executor_work_of_its_actions() {
     assert!(g.fwd_host.is_none(), "a chain built for tests is a CPU profile");
     // retain: nothing
     assert_eq!(eval(&p, &[Retain; 3]).host_time, 0.0);
-    // swap unit 0 (10 bytes, at most inline_bytes: `swap`), unit 2 (30 bytes: `swap_async`)
+    // swap unit 0 (10 bytes, at most inline_bytes: `swap`, and its copies out and back on the
+    // caller's thread at 1e9 B/s each way), unit 2 (30 bytes: `swap_async`)
     let o = eval(&p, &[Swap, Retain, Swap]);
-    assert!(close(o.host_time, 1.0 + 2.0), "host {}", o.host_time);
+    assert!(close(o.host_time, 1.0 + 2.0 * 10.0 / 1e9 + 2.0), "host {}", o.host_time);
     assert!(close(o.step_time, o.compute_time + o.swap_stall + o.recompute + o.host_time));
     // recompute 0 and 1 (one segment: one replay setup; drop per saved tensor of each)
     let o = eval(&p, &[Recompute, Recompute, Retain]);
     assert!(close(o.host_time, 0.5 + 0.25 * (2.0 + 3.0)), "host {}", o.host_time);
     assert!(close(o.step_time, o.compute_time + o.swap_stall + o.recompute + o.host_time));
+}
+
+#[test]
+fn every_stage_after_the_first_swap_pays_the_swap_work_at_its_boundary() {
+    // `stage` per unit after the plan's first swapped unit, whatever that unit's action: the
+    // executor's stage-boundary work of a swap plan (frees, deadlines, prefetch hooks).
+    let mut p = chain(&[1.0; 5], &[10; 5], 0, 1e9);
+    p.executor = Some(ExecutorCosts { swap: 1.0, stage: 0.125, ..Default::default() });
+    for u in 0..5 {
+        p.units[u].act_storages = Some(1);
+    }
+    assert_eq!(eval(&p, &[Retain; 5]).host_time, 0.0);
+    assert_eq!(eval(&p, &[Recompute, Retain, Retain, Retain, Retain]).host_time, 0.0);
+    let o = eval(&p, &[Retain, Swap, Retain, Retain, Retain]);
+    assert!(close(o.host_time, 1.0 + 3.0 * 0.125), "host {}", o.host_time);
+    let o = eval(&p, &[Retain, Swap, Retain, Swap, Retain]);
+    assert!(close(o.host_time, 2.0 + 3.0 * 0.125), "host {}", o.host_time);
+}
+
+#[test]
+fn a_small_storage_is_copied_on_the_callers_thread() {
+    // At most `inline_bytes` a storage: the CPU backend copies it out and back on the caller's
+    // thread, so the copies (10 bytes at 5 B/s out, 10 B/s back) are host time of its stage;
+    // a larger one is copied on the copy thread (`swap_async` alone).
+    let mut p = chain(&[1.0, 1.0], &[10, 20], 0, 1e9);
+    p.d2h_bandwidth = 5.0;
+    p.h2d_bandwidth = 10.0;
+    p.executor = Some(ExecutorCosts { swap: 0.5, swap_async: Some(0.75), inline_bytes: 15.0, ..Default::default() });
+    assert!(close(eval(&p, &[Swap, Retain]).host_time, 0.5 + 2.0 + 1.0));
+    assert!(close(eval(&p, &[Retain, Swap]).host_time, 0.75));
 }
 
 #[test]

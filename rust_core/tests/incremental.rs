@@ -191,6 +191,7 @@ fn resumed_and_bounded_moves_score_as_full_evaluations_with_retried_prefetches_a
             swap_async: Some(rng.gen_range(0.0..2.0)),
             inline_bytes: rng.gen_range(0.0..64.0),
             tracked_op: rng.gen_range(0.0..0.3),
+            stage: rng.gen_range(0.0..0.1),
         });
         let g = p.graph().unwrap();
         let opts = random_opts(&mut rng);

@@ -66,6 +66,13 @@ pub fn scale_profile(p: &Profile, batch: u64, sub: u64, accumulating: bool) -> P
         for v in u.held_from.iter_mut().flatten().chain(u.saved_from.iter_mut().flatten()) {
             v[1] = s(v[1]);
         }
+        for v in u.held_values.iter_mut().flatten().chain(u.saved_values.iter_mut().flatten()) {
+            v[2] = s(v[2]);
+        }
+        let lingering = u.lingering_bytes.unwrap_or(0);
+        for v in u.lingering_values.iter_mut().flatten() {
+            v[1] = s(v[1]).min(lingering);
+        }
         if accumulating {
             grads += u.grad_bytes.max(0) as u64;
             u.bwd_transient_bytes += u.grad_bytes;
