@@ -1557,8 +1557,8 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
 
 def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[Sequence[int]],
               plain_s: Sequence[float], planned_s: Sequence[float], keys: Sequence[str]) -> None:
-    """The executor's host costs ``keys`` (``drop``; ``swap`` and ``swap_async``) fitted to this
-    model: the calibration (cuda_exec/calibrate.py) times them on small synthetic blocks, and a
+    """The executor's host costs ``keys`` (``drop``; ``stage``; ``swap`` and ``swap_async``) fitted
+    to this model: the calibration (cuda_exec/calibrate.py) times them on small synthetic blocks, and a
     model whose saved tensors cost more to drop, capture and unpack, or to swap (views of
     attention heads, say), or whose replays take longer than its profiled forwards, is predicted
     short. The plan's measured step (``planned_s``' median, over the median of the plain steps
@@ -1615,14 +1615,16 @@ def _fit_swap_cost(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, .
     clock = _Clock(dev)
     alone = ["retain"] * len(units)
     alone[first] = "swap"
-    plans = {"first": Plan(json.loads(_core.plan_from_actions(profile_json(profile), 2**62, alone, "swap-first"))),
-             "all": plan_profile(profile, 2**62, "swap-all")}
     times: Dict[str, List[float]] = {"plain": [], "first": [], "all": []}
+    fast: Dict[str, Any] = {}
     try:
+        plans = {"first": Plan(json.loads(_core.plan_from_actions(profile_json(profile), 2**62, alone, "swap-first"))),
+                 "all": plan_profile(profile, 2**62, "swap-all")}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fast = {k: run(model, p, backend=backend, units=units_spec) for k, p in plans.items()}
             try:
+                for k, p in plans.items():
+                    fast[k] = run(model, p, backend=backend, units=units_spec)
                 for m in fast.values():
                     _run_step(m, args, loss_fn)  # the executor's first step
                 for _ in range(max(3, int(repeats))):
