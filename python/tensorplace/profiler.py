@@ -1532,9 +1532,9 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
                 gc.collect()
                 with _memory_recording(dev) as events:
                     _run_step(fast, args, loss_fn)
-                for _ in range(max(3, int(repeats)) if fit else 0):  # interleaved: the machine's speed moves
-                    plain_s.append(_timed_plain_step(model, args, loss_fn, clock))
-                    planned_s.append(_timed_plain_step(fast, args, loss_fn, clock))
+                if fit:
+                    times = _interleaved_steps(model, {"plan": fast}, args, loss_fn, clock, repeats)
+                    plain_s, planned_s = times["plain"], times["plan"]
             finally:
                 fast.close()
                 _clear_grads(model)
@@ -1553,6 +1553,18 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
         if excess > units[s].get("replay_slack_bytes", 0):
             units[s]["replay_slack_bytes"] = int(excess)
     _fit_cost(profile, plan.actions, plan.to_dict().get("segment_starts"), plain_s, planned_s, ("drop",))
+
+
+def _interleaved_steps(model: nn.Module, planned: Dict[str, nn.Module], args: Tuple[Any, ...], loss_fn: Any,
+                       clock: "_Clock", repeats: int) -> Dict[str, List[float]]:
+    """Seconds of ``max(3, repeats)`` rounds of steps, each a plain step of ``model`` ("plain")
+    then one of each planned module: interleaved, as the machine's speed moves."""
+    times: Dict[str, List[float]] = {"plain": [], **{k: [] for k in planned}}
+    for _ in range(max(3, int(repeats))):
+        times["plain"].append(_timed_plain_step(model, args, loss_fn, clock))
+        for k, m in planned.items():
+            times[k].append(_timed_plain_step(m, args, loss_fn, clock))
+    return times
 
 
 def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[Sequence[int]],
@@ -1615,7 +1627,6 @@ def _fit_swap_cost(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, .
     clock = _Clock(dev)
     alone = ["retain"] * len(units)
     alone[first] = "swap"
-    times: Dict[str, List[float]] = {"plain": [], "first": [], "all": []}
     fast: Dict[str, Any] = {}
     try:
         plans = {"first": Plan(json.loads(_core.plan_from_actions(profile_json(profile), 2**62, alone, "swap-first"))),
@@ -1627,10 +1638,7 @@ def _fit_swap_cost(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, .
                     fast[k] = run(model, p, backend=backend, units=units_spec)
                 for m in fast.values():
                     _run_step(m, args, loss_fn)  # the executor's first step
-                for _ in range(max(3, int(repeats))):
-                    times["plain"].append(_timed_plain_step(model, args, loss_fn, clock))
-                    for k, m in fast.items():
-                        times[k].append(_timed_plain_step(m, args, loss_fn, clock))
+                times = _interleaved_steps(model, fast, args, loss_fn, clock, repeats)
             finally:
                 for m in fast.values():
                     m.close()
