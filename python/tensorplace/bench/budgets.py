@@ -50,7 +50,8 @@ def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable
     ``measured_peak_bytes``, ``fits``, ``bitwise``, ``counts``, or ``refused`` (the planner's
     message) with ``smallest`` and the measured row of a plan at that budget (``smallest_fits``).
     Then one measured row per method in `fixed` (plans whatever the budget, such as "swap-all"),
-    with its ``method`` and ``fraction`` None, planned without a budget."""
+    with its ``method`` and ``fraction`` None, planned without a budget, or at a fraction of the
+    way from the lower bound to the unplanned peak written after an ``@`` ("vdnn@0.5")."""
     import tensorplace as tp
 
     search = dict(search or {})
@@ -90,7 +91,8 @@ def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable
             row.update(measure(plan))
         rows.append(row)
     for m in fixed:
-        plan = probe.replan(2**62, method=m)
+        method_name, _, at = m.partition("@")
+        plan = probe.replan(int(low + float(at) * (high - low)) if at else 2**62, method=method_name)
         rows.append({"method": m, "fraction": None, "budget": plan.budget_bytes, "lower_bound": low, "unplanned": high,
                      **measure(plan)})
     return rows
