@@ -188,7 +188,7 @@ class CpuBackend:
             self._check()
         if self._done:
             self.poll()
-        if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+        if not tensor.is_cpu or tensor.dtype is not torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError("CpuBackend.offload expects a contiguous 1-D uint8 CPU tensor")
         n = tensor.numel()
         if n <= self.inline_bytes:
@@ -199,9 +199,11 @@ class CpuBackend:
             np.copyto(h.buf, tensor.numpy())  # the copy completes here: the caller's bytes are free to go
             with self._lock:
                 self._live[id(h)] = h
-                c = self._counters
-                c["offloads"] += 1
-                c["offload_bytes"] += n
+            # the caller's thread alone counts offloads and prefetches (the copy thread counts
+            # cancellations, under the lock)
+            c = self._counters
+            c["offloads"] += 1
+            c["offload_bytes"] += n
             return h
         h = CpuHostHandle(n, self._take_buffer(n), tensor)
         if group is not None:
@@ -210,8 +212,9 @@ class CpuBackend:
         with self._lock:
             h.pending += 1
             self._live[id(h)] = h
-            self._counters["offloads"] += 1
-            self._counters["offload_bytes"] += n
+        c = self._counters
+        c["offloads"] += 1
+        c["offload_bytes"] += n
         self._queue.put(("d2h", h))
         return h
 
@@ -272,6 +275,8 @@ class CpuBackend:
         """The cost model's wait for a swap-out before a stage. The CPU has no streams to make
         wait, so the host blocks (``wait_offload``); the executor counts that wait
         (``StepStats.deadline_wait_s``)."""
+        if handle.source is None and not self._done:  # copied on the caller's thread, or gone: nothing to wait for
+            return
         self.wait_offload(handle)
 
     def prefetch(self, handle: CpuHostHandle) -> None:
@@ -297,16 +302,14 @@ class CpuBackend:
                 h.keep_source = True
             return
         h.device_tensor = torch.empty(h.nbytes, dtype=torch.uint8)
+        c = self._counters
+        c["prefetches"] += 1
+        c["prefetch_bytes"] += h.nbytes
         if h.offload_done is _ALWAYS:  # a handle whose copies run here
             np.copyto(h.device_tensor.numpy(), h.buf)
-            with self._lock:
-                self._counters["prefetches"] += 1
-                self._counters["prefetch_bytes"] += h.nbytes
             return
         with self._lock:
             h.pending += 1
-            self._counters["prefetches"] += 1
-            self._counters["prefetch_bytes"] += h.nbytes
         self._queue.put(("h2d", h))
 
     def fetch(self, handle: CpuHostHandle) -> torch.Tensor:

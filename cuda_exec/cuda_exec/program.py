@@ -27,7 +27,7 @@ table of packs (learn._Table). :func:`build_program` turns that into a :class:`P
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -128,6 +128,8 @@ class Program:
     armed: List[bool]  #: per unit: the saved-tensor hooks are on in its segment
     #: per pack: the pending top-call arguments a swap entry made at this pack binds
     entry_args: Dict[int, List[Tuple[int, int, int]]] = field(default_factory=dict)
+    #: packs whose storage version a later pack saves again (its swap entry is shared, checked)
+    shared: FrozenSet[int] = frozenset()
 
     @property
     def swaps(self) -> int:
@@ -418,5 +420,6 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
         if u in post_units or tracked[u]:
             m = table.calls[table.unit_call[u]].module
             post[id(m)] = m
+    shared = frozenset(f for k, f in enumerate(table.first) if f != k)
     return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
-                   entry_args)
+                   entry_args, shared)

@@ -179,6 +179,13 @@ class _ScopedTracker(_PlanTracker):
             self._convert_slots(val, entry, None)
 
 
+def _among(a: Any, xs: List[Any]) -> bool:
+    for x in xs:
+        if a is x:
+            return True
+    return False
+
+
 class _SteadyStep:
     """One steady step: it follows the program's events at the hooked module calls, arms the
     saved-tensor hooks in the spans that need them and applies each pack's action (program.py);
@@ -298,22 +305,33 @@ class _SteadyStep:
         """Issue stage ``s``'s prefetches when the gradient of any tensor of ``values`` arrives
         (except those in ``hooked``, weak references to tensors whose hooks do that already);
         returns weak references to the tensors hooked."""
-        st = self.state
-        out = []
-        fire = None
         # a module's arguments or output: mostly a tensor or a tuple of tensors (pytree for the rest)
         if isinstance(values, torch.Tensor):
             leaves: Any = (values,)
-        elif type(values) is tuple and all(isinstance(v, torch.Tensor) for v in values):
+        elif type(values) is tuple:
             leaves = values
+            for v in values:
+                if not isinstance(v, torch.Tensor):
+                    leaves = pytree.tree_leaves(values)
+                    break
         else:
             leaves = pytree.tree_leaves(values)
+        if hooked:
+            done = [h() for h in hooked]
+            if len(leaves) == 1 and len(done) == 1:  # a unit's one input, the last unit's one output
+                if leaves[0] is done[0]:
+                    return []
+            else:
+                leaves = [a for a in leaves if not _among(a, done)]
+        out = []
+        fire = None
         for a in leaves:
-            if (isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None
-                    and not (hooked and any(a is h() for h in hooked))):
+            if isinstance(a, torch.Tensor) and a.grad_fn is not None:
                 if fire is None:
-                    fire = st.guarded(lambda grad, s=s: st.issue_prefetches(s))
-                a.register_hook(fire)
+                    fire = self.state.prefetch_hook(s)
+                # a pre-hook of the node that made ``a`` runs when ``a``'s gradient has arrived,
+                # as a hook of ``a`` itself would, without Tensor.register_hook's Python wrapper
+                a.grad_fn.register_prehook(fire)
                 out.append(weakref.ref(a))
         return out
 
@@ -392,7 +410,10 @@ class _SteadyStep:
     def _swap(self, k: int, t: torch.Tensor) -> Any:
         st = self.state
         tb = self.p.table
-        entry = _steady_entry(st, tb, k, t)
+        if tb.first[k] == k:
+            entry = _new_entry(st, tb.owner[k], k, t, self.tracker is not None or k in self.p.shared)
+        else:
+            entry = _steady_entry(st, tb, k, t)
         if self.tracker is not None:
             self.tracker.swapped_outside(entry, t)
         binds = self.p.entry_args.get(k)

@@ -80,12 +80,14 @@ class _Entry:
     __slots__ = ("_state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
                  "ref", "version", "source")
 
-    def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor) -> None:
+    def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor, indexed: bool = True) -> None:
         self._state = weakref.ref(state)  # the state holds its entries: no cycle (see _StepState)
         self.unit = unit
         self.value = value  #: the ValueRec (full path) or the pack index (lean path) it is keyed by
         st = t.untyped_storage()
-        self.ref = StorageWeakRef(st)  #: which storage, to check that a later pack is the same one
+        #: which storage, to check that a later pack is the same one; None: not ``indexed`` (a
+        #: steady step that looks up no entry by its storage: nothing else saves this version)
+        self.ref: Optional[StorageWeakRef] = StorageWeakRef(st) if indexed else None
         self.version = t._version
         self.nbytes = st.nbytes()
         self.device = t.device
@@ -95,7 +97,8 @@ class _Entry:
         self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         self.host: Any = _QUEUED_LATER
         state.unqueued.append(self)
-        state.swapped[(self.ref.cdata, self.version)] = self
+        if indexed:
+            state.swapped[(self.ref.cdata, self.version)] = self  # type: ignore[union-attr]
         self.fetched: Optional[torch.Tensor] = None
         self.refs = 0
         self.prefetched = False
@@ -107,22 +110,26 @@ class _Entry:
     def queue_offload(self) -> None:
         """Queue the device-to-host copy (once)."""
         if self.host is _QUEUED_LATER and self.source is not None:
-            source, self.source = self.source, None
-            state = self.state
-            backend = state.backend
-            if getattr(backend, "groups_copies", False):  # the unit's storages leave together
-                group = state.copy_groups.get(self.unit)
-                if group is None:
-                    group = state.copy_groups[self.unit] = backend.new_copy_group()
-                self.host = backend.offload(source, group)
-            else:
-                self.host = backend.offload(source)
+            self._queue(self.state)
 
-    def prefetch(self) -> None:
-        self.queue_offload()
+    def _queue(self, state: "_StepState") -> None:
+        # the caller checked that the copy is not queued yet
+        source, self.source = self.source, None
+        if state.groups_copies:  # the unit's storages leave together
+            group = state.copy_groups.get(self.unit)
+            if group is None:
+                group = state.copy_groups[self.unit] = state.backend.new_copy_group()
+            self.host = state.backend.offload(source, group)
+        else:
+            self.host = state.backend.offload(source)
+
+    def prefetch(self, state: Optional["_StepState"] = None) -> None:
+        if state is None:
+            state = self.state
+        if self.host is _QUEUED_LATER and self.source is not None:
+            self._queue(state)
         if self.host is not None and self.fetched is None and not self.prefetched:
             self.prefetched = True
-            state = self.state
             state.backend.prefetch(self.host)
             state.stats.prefetches += 1
 
@@ -159,18 +166,24 @@ class _Entry:
             state.backend.release(host)
         if state.entries.get(self.value) is self:
             del state.entries[self.value]
-        key = (self.ref.cdata, self.version)
-        if state.swapped.get(key) is self:
-            del state.swapped[key]
+        if self.ref is not None:
+            key = (self.ref.cdata, self.version)
+            if state.swapped.get(key) is self:
+                del state.swapped[key]
 
 
-def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor) -> _Entry:
+def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor, indexed: bool = True) -> _Entry:
     """A new swap entry of ``owner`` for ``t``'s storage, kept by ``key`` (counted in the stats)."""
-    entry = _Entry(state, owner, key, t)
+    entry = _Entry(state, owner, key, t, indexed)
     state.entries[key] = entry
-    state.by_unit[owner].append(entry)
-    state.stats.swap_storages += 1
-    state.stats.swap_bytes += entry.nbytes
+    by_unit = state.by_unit.get(owner)
+    if by_unit is None:
+        state.by_unit[owner] = [entry]
+    else:
+        by_unit.append(entry)
+    stats = state.stats
+    stats.swap_storages += 1
+    stats.swap_bytes += entry.nbytes
     return entry
 
 
@@ -196,14 +209,23 @@ class _SwapHandle(_Handle):
 
     def __init__(self, state: "_StepState", entry: _Entry, meta: ViewMeta, device: torch.device,
                  digest: Optional[str], what: str) -> None:
-        super().__init__(state, meta, device, digest, what)
+        # the steady step's hot path: the base class's fields set here, without its call
+        self.state = state
+        self.meta = meta
+        self.device = device
+        self.digest = digest
+        self.what = what
         self.entry = entry
-        entry.incref()
+        entry.refs += 1
 
     def unpack(self) -> torch.Tensor:
-        self.state.check_alive()
-        t = self.meta.view_of(self.entry.storage(), self.device)
-        check(t, self.digest, self.what)
+        if self.state.dead:
+            self.state.check_alive()
+        entry = self.entry
+        fetched = entry.fetched
+        t = self.meta.view_of(entry.storage() if fetched is None else fetched.untyped_storage(), self.device)
+        if self.digest is not None:
+            check(t, self.digest, self.what)
         return t
 
     def __del__(self) -> None:
@@ -287,6 +309,8 @@ class _StepState:
         self.alive_storages: Dict[int, Dict[int, Tuple[int, int]]] = {}
         #: swapped unit -> the backend's group of its storages' copies (backends that group them)
         self.copy_groups: Dict[int, Any] = {}
+        self.groups_copies: bool = getattr(self.backend, "groups_copies", False)
+        self._poll = getattr(self.backend, "poll", None)
         self.fired: Set[int] = set()
         self.dead = False
         self.backward_running = False
@@ -404,11 +428,13 @@ class _StepState:
         if self.unqueued:
             entries, self.unqueued = self.unqueued, []
             for e in entries:
-                e.queue_offload()
-        poll = getattr(self.backend, "poll", None)
+                if e.host is _QUEUED_LATER and e.source is not None:
+                    e._queue(self)
+        poll = self._poll
         if poll is not None:
             poll()
-        self._keep_deadlines(label)
+        if label in self.swap_deadlines:
+            self._keep_deadlines(label)
         if self.swapper is not None:
             # after the deadlines: the model lets swap-outs leave before a prefetch allocates
             self.swapper.at_stage(label)
@@ -447,6 +473,18 @@ class _StepState:
         for rt in list(self.runtimes.values()):
             rt._maybe_release()
 
+    def prefetch_hook(self, stage: int) -> Any:
+        """A gradient hook that issues stage ``stage``'s prefetches (aborting the step if that fails)."""
+
+        def fire(grad: Any) -> None:
+            try:
+                self.issue_prefetches(stage)
+            except BaseException:
+                self.abort()
+                raise
+
+        return fire
+
     def issue_prefetches(self, stage: int) -> None:
         self.enter_backward()
         if stage in self.fired or self.dead:
@@ -456,9 +494,10 @@ class _StepState:
         units = self.prefetch_at.get(stage, ())
         if units:
             self.stats.prefetch_stages.append(stage)
-        for u in units:
-            for e in self.by_unit.get(u, ()):
-                e.prefetch()
+            by_unit = self.by_unit
+            for u in units:
+                for e in by_unit.get(u, ()):
+                    e.prefetch(self)
 
 
 def _unpack_handle(packed: Any) -> torch.Tensor:
