@@ -235,7 +235,10 @@ class _SteadyStep:
             elif ev.check and self.k != ev.pack:
                 raise self._pack_mismatch(ev.pack)
             if ev.boundary:
-                self._untracked(self.boundary, u, module, args)
+                if self.scoped:
+                    self._untracked(self.boundary, u, module, args)
+                else:
+                    self.boundary(u, module, args)
             if ev.arm:
                 self.k = ev.pack
                 self.hooks.__enter__()
@@ -343,7 +346,10 @@ class _SteadyStep:
         if post is not None and post[1] is module:
             self.post = None
             # backward stage u starts (after the glue after it) when its output's gradient arrives
-            self._untracked(self._post_hooks, post[0], output)
+            if self.scoped:
+                self._untracked(self._post_hooks, post[0], output)
+            else:
+                self.hooked = (post[0], self._prefetch_hooks(post[0], output))
 
     def _post_hooks(self, u: int, output: Any) -> None:
         self.hooked = (u, self._prefetch_hooks(u, output))
@@ -422,11 +428,10 @@ class _SteadyStep:
                 frame = self.frames[s]
                 if frame is not None:
                     frame.bind_entry(i, leaf, entry)
-        digest = what = None
         if st.verify:
-            digest = checksum(t)
-            what = f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})"
-        return _SwapHandle(st, entry, ViewMeta.of(t), t.device, digest, what or "")
+            return _SwapHandle(st, entry, ViewMeta.of(t), entry.device, checksum(t),
+                               f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})")
+        return _SwapHandle(st, entry, ViewMeta.of(t), entry.device, None, "")
 
     def finish(self, out: Any) -> None:
         p = self.p

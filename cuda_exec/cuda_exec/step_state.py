@@ -90,11 +90,11 @@ class _Entry:
         self.ref: Optional[StorageWeakRef] = StorageWeakRef(st) if indexed else None
         self.version = t._version
         self.nbytes = st.nbytes()
-        self.device = t.device
+        self.device = device = t.device
         #: the storage as bytes until the copy is queued at the end of the segment that saved it
         #: (``queue_offload``): a kernel may still write other parts of the storage without
         #: bumping its version (a GRU cell's chunked gates), so the copy waits for the segment's end
-        self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
         self.host: Any = _QUEUED_LATER
         state.unqueued.append(self)
         if indexed:
@@ -231,7 +231,10 @@ class _SwapHandle(_Handle):
     def __del__(self) -> None:
         try:
             if not self.state.dead:
-                self.entry.decref()
+                entry = self.entry
+                entry.refs -= 1
+                if entry.refs <= 0:
+                    entry.free()
         except Exception:  # pragma: no cover - never raise from __del__
             pass
 
@@ -507,7 +510,8 @@ def _unpack_handle(packed: Any) -> torch.Tensor:
         return packed
     state = packed.state
     try:
-        state.enter_backward()
+        if not state.backward_running:
+            state.enter_backward()
         return packed.unpack()
     except BaseException:
         state.abort()
