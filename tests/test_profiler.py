@@ -418,6 +418,25 @@ class Extra(nn.Module):
         return self.out(h)
 
 
+def test_the_host_cost_fit_can_be_left_out(monkeypatch):
+    """``fit_host_costs=False`` keeps the calibrated host costs and times no planned step for the
+    fit; True where the fit cannot run (the simulated device's backend) is refused, by name."""
+    from tensorplace import profiler
+
+    def no_fit(*a, **k):
+        raise AssertionError("the host-cost fit ran")
+
+    monkeypatch.setattr(profiler, "_fit_swap_cost", no_fit)
+    monkeypatch.setattr(profiler, "_interleaved_steps", no_fit)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=1, fit_host_costs=False)
+    assert p["executor"] and not any(k.endswith("_calibrated") for k in p["executor"])
+    plan = tp.plan(model, torch.randn(4, 16), budget=2**40, method="retain", repeats=1, fit_host_costs=False)
+    assert not any(k.endswith("_calibrated") for k in plan.profile["executor"])
+    with pytest.raises(tpp.ProfilerError, match="fit_host_costs"):
+        tpp.profile_model(model, torch.randn(4, 16), repeats=1, backend=object(), fit_host_costs=True)
+
+
 def test_host_costs_are_fitted_to_the_model_only_upwards():
     """The executor's calibrated host costs come from synthetic blocks; the profile raises them
     (never lowers them) until the cost model predicts a plan's measured step on this model, the

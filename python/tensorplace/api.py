@@ -60,6 +60,7 @@ def plan(
     optimizer: Any = None,
     backend: Any = None,
     repeats: int = 3,
+    fit_host_costs: Optional[bool] = None,
     **search: Any,
 ) -> Plan:
     """Profile one training step of ``model`` on ``example_inputs`` and search a plan that fits
@@ -72,12 +73,14 @@ def plan(
     ends with the optimizer's step (its time and memory per unit are measured on a throwaway copy;
     method ``"tensile"`` may then keep parameters and optimizer state on the host between steps:
     train such a plan with ``run(model, plan, optimizer=opt)``). ``search``: settings of
-    ``plan_profile`` (particles, iterations, seed, threads, ...). The profile is kept on the plan
-    (``plan.profile``) and saved with it.
+    ``plan_profile`` (particles, iterations, seed, threads, ...). ``fit_host_costs=False`` keeps
+    the executor's calibrated host costs instead of fitting them to this model on a CPU (a faster
+    profile; ``profile_model``). The profile is kept on the plan (``plan.profile``) and saved with it.
     """
     refuse_wrapped(model, "tensorplace.plan")
     profile = profile_model(
-        model, example_inputs, loss_fn=loss_fn, units=units, repeats=repeats, backend=backend, optimizer=optimizer
+        model, example_inputs, loss_fn=loss_fn, units=units, repeats=repeats, backend=backend, optimizer=optimizer,
+        fit_host_costs=fit_host_costs,
     )
     result = plan_profile(profile, budget, method, **search)
     data = result.to_dict()

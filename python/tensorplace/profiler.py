@@ -1271,6 +1271,7 @@ def profile_model(
     *,
     optimizer: Any = None,
     name: Optional[str] = None,
+    fit_host_costs: Optional[bool] = None,
 ) -> Dict[str, Any]:
     """Profile one training step of `model` on `example_inputs`; returns a Profile dict
     (docs/formats.md, version 1). See the module docstring for what is measured and how.
@@ -1286,10 +1287,20 @@ def profile_model(
     - device: the device the caller expects the model on (checked, never moved to).
     - optimizer: counted as constant memory (its state) when given; never stepped.
     - name: the profile's "model" field (default: the model's class name, lower case).
+    - fit_host_costs: fit the executor's host costs to this model by timing a few planned steps
+      (on a CPU through the CPU backend, the default there; it about doubles the profile's time).
+      False: keep the calibrated costs; True where it cannot be done raises ProfilerError.
 
     Raises ProfilerError for inputs on another device than the parameters, a model without
     trainable parameters, or a unit sequence that changes between steps."""
     args, dev = _prepare(model, example_inputs, device)
+    fit = _fits_host_costs(dev, backend)
+    if fit_host_costs and not fit:
+        raise ProfilerError(
+            "fit_host_costs=True: the executor's host costs are fitted on a CPU through the CPU backend "
+            f"only (this profile: device {dev}, backend {type(backend).__name__}); leave it unset")
+    if fit_host_costs is False:
+        fit = False
     if int(repeats) < 1:
         raise ProfilerError(f"repeats must be at least 1, got {repeats}")
     if int(warmup) < 0:
@@ -1473,7 +1484,6 @@ def profile_model(
         **({"optimizer": opt_other} if opt_other is not None else {}),
         "units": out_units,
     }
-    fit = _fits_host_costs(dev, backend)
     with _preserved(model, dev):
         _add_replay_slack(profile, model, args, loss_fn, backend, dev, const_total, specs, repeats, fit)
         if fit:
