@@ -46,7 +46,7 @@ def build(blocks: int, width: int) -> nn.Sequential:
 
 def main(argv: List[str] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (one step of every mode each)")
+    ap.add_argument("--rounds", type=int, default=41, help="interleaved rounds (one step of every mode each)")
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
