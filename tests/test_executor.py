@@ -1257,6 +1257,47 @@ def test_a_prefetch_cancels_an_offload_that_has_not_started() -> None:
     be.close()
 
 
+def test_a_swap_out_the_plan_cancels_before_it_starts_is_never_started() -> None:
+    """The cost model cancels a queued swap-out that its prefetch (or first backward use) reaches
+    before its copy starts; the plan names those units (``unstarted_swaps``) and the executor
+    never queues their copies: their device bytes stay for the backward, whatever the link's
+    timing on the day. Without it a copy that happened to start in time was copied out and back,
+    which the model did not have (the link_capped bench's bimodal vDNN steps)."""
+    import tensorplace as tp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)], nn.Linear(64, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(32, 64)
+    probe = tp.plan(model, x, budget=2**50, method="retain", repeats=1, fit_host_costs=False)
+    # a 2 MB/s link (the profile's and the backend's): an 8 KiB activation's copy takes 4 ms,
+    # the step's kernels microseconds, so the last units' swap-outs are still queued at the backward
+    profile = copy.deepcopy(probe.profile)
+    profile["d2h_bandwidth"] = profile["h2d_bandwidth"] = 2e6
+    profile["executor"]["inline_bytes"] = 0  # a capped backend copies on its copy thread alone
+    be = CpuBackend(bandwidth_cap=2e6)
+    assert be.inline_bytes == 0
+    plan = tp.plan_profile(profile, 2**50, "swap-all")
+    unstarted = plan.to_dict()["unstarted_swaps"]
+    assert unstarted and all(plan.actions[u] == "swap" for u in unstarted)
+    predicted = tp.evaluate(profile, plan.actions, 2**50)
+    assert predicted["unstarted_swaps"] == unstarted
+    assert not any(c["unit"] in unstarted and c["direction"] == "d2h" for c in predicted["copies"])
+    planned = tp.run(model, plan, backend=be)
+    for _ in range(3):
+        before = be.stats()
+        planned(x).sum().backward()
+        stats, after = planned.last_stats, be.stats()
+        ref(x).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None
+        assert stats.unstarted_swaps > 0
+        assert after.offloads - before.offloads == stats.swap_storages - stats.unstarted_swaps
+    planned.close()
+    be.close()
+
+
 def test_a_units_storages_leave_the_device_together() -> None:
     """A swapped unit's storages are one copy in the cost model: the CPU backend lets their device
     bytes go when the last of them has been copied, so a fetch while part of the unit is still on

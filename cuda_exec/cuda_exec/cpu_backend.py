@@ -275,7 +275,7 @@ class CpuBackend:
         """The cost model's wait for a swap-out before a stage. The CPU has no streams to make
         wait, so the host blocks (``wait_offload``); the executor counts that wait
         (``StepStats.deadline_wait_s``)."""
-        if handle.source is None and not self._done:  # copied on the caller's thread, or gone: nothing to wait for
+        if handle.source is None and not self._done and self._error is None:  # copied already: nothing to wait for
             return
         self.wait_offload(handle)
 

@@ -31,8 +31,10 @@ class StepStats:
     """What one planned step did (filled in during forward and backward)."""
 
     units: int = 0
-    swap_storages: int = 0  #: storages offloaded
+    swap_storages: int = 0  #: storages swapped (offloaded, or kept: unstarted_swaps)
     swap_bytes: int = 0  #: bytes offloaded
+    #: swapped storages never copied out: their swap-out is cancelled before it starts in the plan
+    unstarted_swaps: int = 0
     dropped_tensors: int = 0  #: saved tensors dropped for recomputation
     replays: int = 0  #: units replayed
     segment_replays: int = 0  #: replays (a checkpoint segment is replayed as one)

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["ACTIONS", "PLAN_VERSION", "PlanLike", "read_plan", "read_swap_deadlines", "read_state_swaps",
+__all__ = ["ACTIONS", "PLAN_VERSION", "PlanLike", "read_plan", "read_swap_deadlines", "read_state_swaps", "read_unstarted_swaps",
            "read_segment_starts", "run_starts", "plan_mapping"]
 
 ACTIONS = ("retain", "swap", "recompute")
@@ -83,6 +83,15 @@ def read_swap_deadlines(plan: PlanLike) -> List[Tuple[str, int]]:
     if data is None:
         return []
     return [(str(d["before"]), int(d["unit"])) for d in data.get("swap_deadlines", []) or []]
+
+
+def read_unstarted_swaps(plan: PlanLike) -> List[int]:
+    """Swapped units whose swap-out the plan's cost model cancels before its copy starts (their
+    prefetch or first backward use comes first): the executor never starts that copy."""
+    data = plan_mapping(plan)
+    if data is None:
+        return []
+    return [int(u) for u in data.get("unstarted_swaps", []) or []]
 
 
 def read_state_swaps(plan: PlanLike) -> Optional[Mapping[str, Any]]:

@@ -7,7 +7,7 @@ import sys
 import time
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ class _Entry:
     """One swapped storage version: one copy, queued at the end of the segment that saved it."""
 
     __slots__ = ("_state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
-                 "ref", "version", "source")
+                 "ref", "version", "source", "kept")
 
     def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor, indexed: bool = True) -> None:
         self._state = weakref.ref(state)  # the state holds its entries: no cycle (see _StepState)
@@ -96,7 +96,11 @@ class _Entry:
         #: bumping its version (a GRU cell's chunked gates), so the copy waits for the segment's end
         self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
         self.host: Any = _QUEUED_LATER
-        state.unqueued.append(self)
+        #: the plan's cost model cancels this unit's swap-out before it starts: never copied, the
+        #: device bytes stay until the backward uses them
+        self.kept = unit in state.unstarted
+        if not self.kept:
+            state.unqueued.append(self)
         if indexed:
             state.swapped[(self.ref.cdata, self.version)] = self  # type: ignore[union-attr]
         self.fetched: Optional[torch.Tensor] = None
@@ -109,7 +113,7 @@ class _Entry:
 
     def queue_offload(self) -> None:
         """Queue the device-to-host copy (once)."""
-        if self.host is _QUEUED_LATER and self.source is not None:
+        if self.host is _QUEUED_LATER and self.source is not None and not self.kept:
             self._queue(self.state)
 
     def _queue(self, state: "_StepState") -> None:
@@ -126,7 +130,9 @@ class _Entry:
     def prefetch(self, state: Optional["_StepState"] = None) -> None:
         if state is None:
             state = self.state
-        if self.host is _QUEUED_LATER and self.source is not None:
+        if self.host is _QUEUED_LATER:
+            if self.source is None or self.kept:
+                return  # never copied out: nothing to copy back
             self._queue(state)
         if self.host is not None and self.fetched is None and not self.prefetched:
             self.prefetched = True
@@ -184,6 +190,8 @@ def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor, index
     stats = state.stats
     stats.swap_storages += 1
     stats.swap_bytes += entry.nbytes
+    if entry.kept:
+        stats.unstarted_swaps += 1
     return entry
 
 
@@ -313,6 +321,8 @@ class _StepState:
         #: swapped unit -> the backend's group of its storages' copies (backends that group them)
         self.copy_groups: Dict[int, Any] = {}
         self.groups_copies: bool = getattr(self.backend, "groups_copies", False)
+        #: swapped units whose swap-out the plan never starts (its cost model cancels it first)
+        self.unstarted: FrozenSet[int] = getattr(ex, "unstarted_swaps", frozenset())
         self._poll = getattr(self.backend, "poll", None)
         self.fired: Set[int] = set()
         self.dead = False
@@ -455,7 +465,7 @@ class _StepState:
         t0 = time.perf_counter()
         for u in units:
             for e in self.by_unit.get(u, ()):
-                if e.host is not None and e.fetched is None and not e.prefetched:
+                if e.host is not None and e.host is not _QUEUED_LATER and e.fetched is None and not e.prefetched:
                     wait(e.host)
                     self.stats.deadline_waits += 1
         self.stats.deadline_wait_s += time.perf_counter() - t0

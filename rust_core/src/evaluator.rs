@@ -142,6 +142,9 @@ pub struct Outcome {
     /// (stage, unit): the swap-out of `unit` has completed and its bytes left the device before
     /// `stage` starts (or before it allocates, when the stage waited for it), in FIFO order.
     pub swap_deadlines: Vec<(Stage, usize)>,
+    /// Units whose swap-out is cancelled before its copy starts (its prefetch or first backward
+    /// use comes first): the executor never starts it (recorded evaluations only; ascending).
+    pub unstarted_swaps: Vec<usize>,
     /// Copies on the copy stream, in issue order (recorded evaluations only).
     pub copies: Vec<CopyEvent>,
     /// Replays of recomputed units on the compute stream: (unit, backward stage, start, end),
@@ -432,6 +435,8 @@ struct Sim<'a, E: MemoryEvents> {
     copies: Vec<CopyEvent>,
     /// Recorded copies cancelled before they started (left out of the outcome).
     dropped_copies: Vec<usize>,
+    /// Units whose swap-out was cancelled before its copy started (recorded evaluations only).
+    unstarted: Vec<usize>,
     replays: Vec<(usize, usize, f64, f64)>,
     state_prefetch: Vec<(Moved, usize, Stage)>,
     state_deadlines: Vec<(Stage, Moved, usize)>,
@@ -682,6 +687,9 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
             return;
         }
         self.s.pending[k].cancelled = true;
+        if self.record {
+            self.unstarted.push(u);
+        }
         self.copy_time -= x.dur;
         if let EndOf::SwapOut(i) = x.end_of {
             self.s.queue[i].0 = x.start; // keeps the queue's completion times in order
@@ -1160,6 +1168,7 @@ fn simulate<E: MemoryEvents>(
         deadlines: Vec::new(),
         copies: Vec::new(),
         dropped_copies: Vec::new(),
+        unstarted: Vec::new(),
         replays: Vec::new(),
         state_prefetch: Vec::new(),
         state_deadlines: Vec::new(),
@@ -1532,6 +1541,11 @@ fn simulate<E: MemoryEvents>(
         curve: sim.curve,
         prefetch: sim.prefetch,
         swap_deadlines: sim.deadlines,
+        unstarted_swaps: {
+            let mut units = sim.unstarted;
+            units.sort_unstable();
+            units
+        },
         copies: {
             let mut copies = sim.copies;
             if !sim.dropped_copies.is_empty() {

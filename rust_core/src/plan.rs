@@ -200,6 +200,11 @@ pub struct Plan {
     pub prefetch: Vec<Prefetch>,
     #[serde(default)]
     pub swap_deadlines: Vec<SwapDeadline>,
+    /// Swapped units whose swap-out the cost model cancels before it starts (their prefetch or
+    /// first backward use comes first): the executor keeps them on the device and never starts
+    /// the copy. Absent: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unstarted_swaps: Vec<usize>,
     /// Units that start a checkpoint segment: a run of recomputed units is split before each
     /// (docs/cost-model.md). Absent in a plan file: none.
     #[serde(default)]
@@ -245,6 +250,7 @@ impl Plan {
                 .iter()
                 .map(|&(stage, unit)| SwapDeadline { unit, before: stage.label() })
                 .collect(),
+            unstarted_swaps: outcome.unstarted_swaps.clone(),
             segment_starts: Vec::new(),
             state_swaps: None,
             predicted: Predicted::from_outcome(outcome),
