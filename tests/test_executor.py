@@ -1261,8 +1261,10 @@ def test_a_swap_out_the_plan_cancels_before_it_starts_is_never_started() -> None
     """The cost model cancels a queued swap-out that its prefetch (or first backward use) reaches
     before its copy starts; the plan names those units (``unstarted_swaps``) and the executor
     never queues their copies: their device bytes stay for the backward, whatever the link's
-    timing on the day. Without it a copy that happened to start in time was copied out and back,
-    which the model did not have (the link_capped bench's bimodal vDNN steps)."""
+    timing on the day. One it cancels while the copy runs (``in_flight_swaps``) is copied out and
+    used in place, never copied back, even where the copy ends before its prefetch on the day.
+    Without them a copy that happened to start, or end, in time was copied out and back, which
+    the model did not have."""
     import tensorplace as tp
 
     torch.manual_seed(0)
@@ -1283,6 +1285,9 @@ def test_a_swap_out_the_plan_cancels_before_it_starts_is_never_started() -> None
     predicted = tp.evaluate(profile, plan.actions, 2**50)
     assert predicted["unstarted_swaps"] == unstarted
     assert not any(c["unit"] in unstarted and c["direction"] == "d2h" for c in predicted["copies"])
+    in_flight = plan.to_dict()["in_flight_swaps"]
+    assert in_flight and not set(in_flight) & set(unstarted) and predicted["in_flight_swaps"] == in_flight
+    assert not any(c["unit"] in in_flight and c["direction"] == "h2d" for c in predicted["copies"])
     planned = tp.run(model, plan, backend=be)
     for _ in range(3):
         before = be.stats()
@@ -1292,8 +1297,10 @@ def test_a_swap_out_the_plan_cancels_before_it_starts_is_never_started() -> None
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
             p.grad = q.grad = None
-        assert stats.unstarted_swaps > 0
+        assert stats.unstarted_swaps > 0 and stats.in_flight_swaps > 0
         assert after.offloads - before.offloads == stats.swap_storages - stats.unstarted_swaps
+        moved_back = stats.swap_storages - stats.unstarted_swaps - stats.in_flight_swaps
+        assert after.prefetches - before.prefetches == moved_back
     planned.close()
     be.close()
 

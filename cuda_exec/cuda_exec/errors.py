@@ -35,6 +35,8 @@ class StepStats:
     swap_bytes: int = 0  #: bytes offloaded
     #: swapped storages never copied out: their swap-out is cancelled before it starts in the plan
     unstarted_swaps: int = 0
+    #: swapped storages copied out but used in place (their swap-out is cancelled while it runs)
+    in_flight_swaps: int = 0
     dropped_tensors: int = 0  #: saved tensors dropped for recomputation
     replays: int = 0  #: units replayed
     segment_replays: int = 0  #: replays (a checkpoint segment is replayed as one)

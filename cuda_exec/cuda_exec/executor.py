@@ -91,7 +91,8 @@ from .compile_guard import refuse_compile
 from .errors import PlanMismatchError, ReplayError, StepAbortedError, StepStats
 from .learn import SWAP, _PlanTracker, _Table
 from .plan_io import (ACTIONS, PLAN_VERSION, PlanLike, _action_name, plan_mapping, read_plan, read_segment_starts,
-                      read_state_swaps, read_swap_deadlines, read_unstarted_swaps, run_starts)
+                      read_in_flight_swaps, read_state_swaps, read_swap_deadlines, read_unstarted_swaps,
+                      run_starts)
 from .recorded_replay import _InputSlot
 from .state_swap import StateSwapper
 from .program import Program, build_program
@@ -112,6 +113,7 @@ __all__ = [
     "read_segment_starts",
     "read_state_swaps",
     "read_unstarted_swaps",
+    "read_in_flight_swaps",
     "run_starts",
     "Executor",
     "PlannedModule",
@@ -142,10 +144,14 @@ class Executor:
         optimizer: Any = None,
         profile_units: Optional[Sequence[Mapping[str, Any]]] = None,
         unstarted_swaps: Iterable[int] = (),
+        in_flight_swaps: Iterable[int] = (),
     ) -> None:
         self.model = model
         #: swapped units whose swap-out the cost model cancels before it starts: kept on the device
         self.unstarted_swaps: FrozenSet[int] = frozenset(int(u) for u in unstarted_swaps)
+        #: swapped units whose swap-out the cost model cancels while it runs: copied out, and
+        #: their device bytes kept for the backward
+        self.in_flight_swaps: FrozenSet[int] = frozenset(int(u) for u in in_flight_swaps)
         #: stage label ("fwd:i" / "bwd:i") -> units whose swap-out must be complete before it
         self.swap_deadlines: Dict[str, List[int]] = defaultdict(list)
         for stage_label, unit in swap_deadlines:
@@ -497,7 +503,7 @@ class PlannedModule(ExecutorModule):
             model, actions, prefetch, backend, verify=verify, units=units, names=names,
             swap_deadlines=read_swap_deadlines(plan), segment_starts=read_segment_starts(plan),
             state_swaps=read_state_swaps(plan), optimizer=optimizer, profile_units=profile_units,
-            unstarted_swaps=read_unstarted_swaps(plan),
+            unstarted_swaps=read_unstarted_swaps(plan), in_flight_swaps=read_in_flight_swaps(plan),
         )
 
 

@@ -7,6 +7,7 @@ import os
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["ACTIONS", "PLAN_VERSION", "PlanLike", "read_plan", "read_swap_deadlines", "read_state_swaps", "read_unstarted_swaps",
+           "read_in_flight_swaps",
            "read_segment_starts", "run_starts", "plan_mapping"]
 
 ACTIONS = ("retain", "swap", "recompute")
@@ -92,6 +93,15 @@ def read_unstarted_swaps(plan: PlanLike) -> List[int]:
     if data is None:
         return []
     return [int(u) for u in data.get("unstarted_swaps", []) or []]
+
+
+def read_in_flight_swaps(plan: PlanLike) -> List[int]:
+    """Swapped units whose swap-out the plan's cost model cancels while its copy runs: the
+    executor lets the copy run and keeps the device bytes for the backward (no copy back)."""
+    data = plan_mapping(plan)
+    if data is None:
+        return []
+    return [int(u) for u in data.get("in_flight_swaps", []) or []]
 
 
 def read_state_swaps(plan: PlanLike) -> Optional[Mapping[str, Any]]:

@@ -22,12 +22,13 @@ from .verify import checksum
 if TYPE_CHECKING:
     from .executor import Executor
 
-def _steady_entry(st: _StepState, tb: _Table, k: int, t: torch.Tensor) -> _Entry:
+def _steady_entry(st: _StepState, tb: _Table, k: int, t: torch.Tensor, indexed: bool = True) -> _Entry:
     """The swap entry of pack ``k`` of a steady step: new at the first pack of its storage
-    version (as in the executor's first step), shared by the later ones (checked)."""
+    version (as in the executor's first step), shared by the later ones (checked). A new entry
+    is ``indexed`` by its storage where something may look it up (step_state._Entry)."""
     first = tb.first[k]
     if first == k:
-        return _new_entry(st, tb.owner[k], k, t)
+        return _new_entry(st, tb.owner[k], k, t, indexed)
     entry = st.entries.get(first)
     if (entry is None or entry.host is None or entry.ref.expired() or entry.version != t._version
             or entry.ref.cdata != StorageWeakRef(t.untyped_storage()).cdata):
@@ -349,7 +350,7 @@ class _SteadyStep:
             if self.scoped:
                 self._untracked(self._post_hooks, post[0], output)
             else:
-                self.hooked = (post[0], self._prefetch_hooks(post[0], output))
+                self._post_hooks(post[0], output)
 
     def _post_hooks(self, u: int, output: Any) -> None:
         self.hooked = (u, self._prefetch_hooks(u, output))
@@ -416,10 +417,7 @@ class _SteadyStep:
     def _swap(self, k: int, t: torch.Tensor) -> Any:
         st = self.state
         tb = self.p.table
-        if tb.first[k] == k:
-            entry = _new_entry(st, tb.owner[k], k, t, self.tracker is not None or k in self.p.shared)
-        else:
-            entry = _steady_entry(st, tb, k, t)
+        entry = _steady_entry(st, tb, k, t, self.tracker is not None or k in self.p.shared)
         if self.tracker is not None:
             self.tracker.swapped_outside(entry, t)
         binds = self.p.entry_args.get(k)

@@ -78,7 +78,7 @@ class _Entry:
     """One swapped storage version: one copy, queued at the end of the segment that saved it."""
 
     __slots__ = ("_state", "unit", "nbytes", "device", "host", "fetched", "refs", "prefetched", "value",
-                 "ref", "version", "source", "kept")
+                 "ref", "version", "source", "kept", "in_place")
 
     def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor, indexed: bool = True) -> None:
         self._state = weakref.ref(state)  # the state holds its entries: no cycle (see _StepState)
@@ -99,6 +99,9 @@ class _Entry:
         #: the plan's cost model cancels this unit's swap-out before it starts: never copied, the
         #: device bytes stay until the backward uses them
         self.kept = unit in state.unstarted
+        #: the model cancels its swap-out while the copy runs: the copy runs, and the backward
+        #: uses these device bytes in place (the entry keeps them; never copied back)
+        self.in_place = unit in state.in_flight
         if not self.kept:
             state.unqueued.append(self)
         if indexed:
@@ -118,7 +121,9 @@ class _Entry:
 
     def _queue(self, state: "_StepState") -> None:
         # the caller checked that the copy is not queued yet
-        source, self.source = self.source, None
+        source = self.source
+        if not self.in_place:
+            self.source = None
         if state.groups_copies:  # the unit's storages leave together
             group = state.copy_groups.get(self.unit)
             if group is None:
@@ -134,6 +139,8 @@ class _Entry:
             if self.source is None or self.kept:
                 return  # never copied out: nothing to copy back
             self._queue(state)
+        if self.in_place:
+            return  # used from the device: nothing to copy back
         if self.host is not None and self.fetched is None and not self.prefetched:
             self.prefetched = True
             state.backend.prefetch(self.host)
@@ -141,7 +148,7 @@ class _Entry:
 
     def storage(self) -> torch.UntypedStorage:
         if self.fetched is None:
-            if self.host is _QUEUED_LATER and self.source is not None:
+            if self.source is not None and (self.host is _QUEUED_LATER or self.in_place):
                 return self.source.untyped_storage()  # needed before its copy was queued: still here
             if self.host is None:
                 raise StepAbortedError("a swapped tensor of an aborted step was needed")
@@ -192,6 +199,8 @@ def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor, index
     stats.swap_bytes += entry.nbytes
     if entry.kept:
         stats.unstarted_swaps += 1
+    elif entry.in_place:
+        stats.in_flight_swaps += 1
     return entry
 
 
@@ -323,6 +332,8 @@ class _StepState:
         self.groups_copies: bool = getattr(self.backend, "groups_copies", False)
         #: swapped units whose swap-out the plan never starts (its cost model cancels it first)
         self.unstarted: FrozenSet[int] = getattr(ex, "unstarted_swaps", frozenset())
+        #: swapped units whose swap-out the plan lets run but uses in place (cancelled in flight)
+        self.in_flight: FrozenSet[int] = getattr(ex, "in_flight_swaps", frozenset())
         self._poll = getattr(self.backend, "poll", None)
         self.fired: Set[int] = set()
         self.dead = False
@@ -488,15 +499,7 @@ class _StepState:
 
     def prefetch_hook(self, stage: int) -> Any:
         """A gradient hook that issues stage ``stage``'s prefetches (aborting the step if that fails)."""
-
-        def fire(grad: Any) -> None:
-            try:
-                self.issue_prefetches(stage)
-            except BaseException:
-                self.abort()
-                raise
-
-        return fire
+        return self.guarded(lambda grad: self.issue_prefetches(stage))
 
     def issue_prefetches(self, stage: int) -> None:
         self.enter_backward()

@@ -145,6 +145,9 @@ pub struct Outcome {
     /// Units whose swap-out is cancelled before its copy starts (its prefetch or first backward
     /// use comes first): the executor never starts it (recorded evaluations only; ascending).
     pub unstarted_swaps: Vec<usize>,
+    /// Units whose swap-out is cancelled while its copy runs: the copy runs to its end, and the
+    /// backward uses the device bytes in place, never copied back (recorded evaluations only).
+    pub in_flight_swaps: Vec<usize>,
     /// Copies on the copy stream, in issue order (recorded evaluations only).
     pub copies: Vec<CopyEvent>,
     /// Replays of recomputed units on the compute stream: (unit, backward stage, start, end),
@@ -437,6 +440,8 @@ struct Sim<'a, E: MemoryEvents> {
     dropped_copies: Vec<usize>,
     /// Units whose swap-out was cancelled before its copy started (recorded evaluations only).
     unstarted: Vec<usize>,
+    /// Units whose swap-out was cancelled while its copy ran (recorded evaluations only).
+    in_flight: Vec<usize>,
     replays: Vec<(usize, usize, f64, f64)>,
     state_prefetch: Vec<(Moved, usize, Stage)>,
     state_deadlines: Vec<(Stage, Moved, usize)>,
@@ -684,6 +689,9 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
         self.s.pending_of[u] = usize::MAX; // a swap-out is cancelled at most once
         let x = self.s.pending[k];
         if x.start <= self.t {
+            if self.record {
+                self.in_flight.push(u);
+            }
             return;
         }
         self.s.pending[k].cancelled = true;
@@ -1169,6 +1177,7 @@ fn simulate<E: MemoryEvents>(
         copies: Vec::new(),
         dropped_copies: Vec::new(),
         unstarted: Vec::new(),
+        in_flight: Vec::new(),
         replays: Vec::new(),
         state_prefetch: Vec::new(),
         state_deadlines: Vec::new(),
@@ -1543,6 +1552,11 @@ fn simulate<E: MemoryEvents>(
         swap_deadlines: sim.deadlines,
         unstarted_swaps: {
             let mut units = sim.unstarted;
+            units.sort_unstable();
+            units
+        },
+        in_flight_swaps: {
+            let mut units = sim.in_flight;
             units.sort_unstable();
             units
         },

@@ -205,6 +205,11 @@ pub struct Plan {
     /// the copy. Absent: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unstarted_swaps: Vec<usize>,
+    /// Swapped units whose swap-out the cost model cancels while its copy runs: the executor lets
+    /// the copy run and keeps the device bytes for the backward, never copying them back.
+    /// Absent: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_flight_swaps: Vec<usize>,
     /// Units that start a checkpoint segment: a run of recomputed units is split before each
     /// (docs/cost-model.md). Absent in a plan file: none.
     #[serde(default)]
@@ -251,6 +256,7 @@ impl Plan {
                 .map(|&(stage, unit)| SwapDeadline { unit, before: stage.label() })
                 .collect(),
             unstarted_swaps: outcome.unstarted_swaps.clone(),
+            in_flight_swaps: outcome.in_flight_swaps.clone(),
             segment_starts: Vec::new(),
             state_swaps: None,
             predicted: Predicted::from_outcome(outcome),

@@ -85,6 +85,7 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
         "step_time": o.step_time, "compute_time": o.compute_time, "swap_stall": o.swap_stall,
         "recompute": o.recompute, "host_time": o.host_time, "copy_time": o.copy_time, "overlapped_copy": o.overlapped_copy,
         "cancelled_swaps": o.cancelled_swaps, "unstarted_swaps": o.unstarted_swaps,
+        "in_flight_swaps": o.in_flight_swaps,
         "peak_bytes": o.peak_bytes, "peak_stage": o.peak_stage.label(), "end_bytes": o.end_bytes,
         "feasible": o.feasible,
         "excess": o.excess, "reason": o.reason, "curve": curve, "prefetch": prefetch,

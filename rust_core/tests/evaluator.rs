@@ -336,6 +336,7 @@ fn a_swap_out_cancelled_before_its_copy_starts_never_runs() {
     assert_eq!(o.copies.len(), 1, "{:?}", o.copies);
     // the plan tells the executor which swap-outs never start
     assert_eq!(o.unstarted_swaps, vec![1, 2]);
+    assert_eq!(o.in_flight_swaps, vec![0]);
     assert!((o.copy_time - 10.0).abs() < 1e-9, "copy time {}", o.copy_time);
     assert!((o.step_time - 12.0).abs() < 1e-9, "step {}", o.step_time);
 }
@@ -351,6 +352,7 @@ fn the_copies_queued_behind_a_cancelled_swap_out_move_up() {
     assert_eq!(ran, vec![(0, true, 2.0, 6.0), (2, true, 9.0, 13.0), (0, false, 13.0, 17.0)], "{:?}", o.copies);
     assert_eq!(o.cancelled_swaps, 2); // unit 3's, queued, and unit 2's, whose copy had started
     assert_eq!(o.unstarted_swaps, vec![3]);
+    assert_eq!(o.in_flight_swaps, vec![2]);
     assert!((o.copy_time - 12.0).abs() < 1e-9);
     assert_eq!(o.swap_stall, 0.0);
 }
