@@ -149,7 +149,8 @@ class _Entry:
     def storage(self) -> torch.UntypedStorage:
         if self.fetched is None:
             if self.source is not None and (self.host is _QUEUED_LATER or self.in_place):
-                return self.source.untyped_storage()  # needed before its copy was queued: still here
+                # needed before its copy was queued, or used in place: still here
+                return self.source.untyped_storage()
             if self.host is None:
                 raise StepAbortedError("a swapped tensor of an aborted step was needed")
             state = self.state
@@ -189,11 +190,7 @@ def _new_entry(state: "_StepState", owner: int, key: Any, t: torch.Tensor, index
     """A new swap entry of ``owner`` for ``t``'s storage, kept by ``key`` (counted in the stats)."""
     entry = _Entry(state, owner, key, t, indexed)
     state.entries[key] = entry
-    by_unit = state.by_unit.get(owner)
-    if by_unit is None:
-        state.by_unit[owner] = [entry]
-    else:
-        by_unit.append(entry)
+    state.by_unit[owner].append(entry)
     stats = state.stats
     stats.swap_storages += 1
     stats.swap_bytes += entry.nbytes
