@@ -6,9 +6,8 @@ import json
 import os
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["ACTIONS", "PLAN_VERSION", "PlanLike", "read_plan", "read_swap_deadlines", "read_state_swaps", "read_unstarted_swaps",
-           "read_in_flight_swaps",
-           "read_segment_starts", "run_starts", "plan_mapping"]
+__all__ = ["ACTIONS", "PLAN_VERSION", "PlanLike", "read_plan", "read_swap_deadlines", "read_state_swaps",
+           "read_unstarted_swaps", "read_in_flight_swaps", "read_segment_starts", "run_starts", "plan_mapping"]
 
 ACTIONS = ("retain", "swap", "recompute")
 #: the newest plan version the executor runs (2: parameters and optimizer state swapped across
@@ -86,22 +85,21 @@ def read_swap_deadlines(plan: PlanLike) -> List[Tuple[str, int]]:
     return [(str(d["before"]), int(d["unit"])) for d in data.get("swap_deadlines", []) or []]
 
 
+def _read_units(plan: PlanLike, key: str) -> List[int]:
+    data = plan_mapping(plan)
+    return [int(u) for u in (data.get(key) or [])] if data is not None else []
+
+
 def read_unstarted_swaps(plan: PlanLike) -> List[int]:
     """Swapped units whose swap-out the plan's cost model cancels before its copy starts (their
     prefetch or first backward use comes first): the executor never starts that copy."""
-    data = plan_mapping(plan)
-    if data is None:
-        return []
-    return [int(u) for u in data.get("unstarted_swaps", []) or []]
+    return _read_units(plan, "unstarted_swaps")
 
 
 def read_in_flight_swaps(plan: PlanLike) -> List[int]:
     """Swapped units whose swap-out the plan's cost model cancels while its copy runs: the
     executor lets the copy run and keeps the device bytes for the backward (no copy back)."""
-    data = plan_mapping(plan)
-    if data is None:
-        return []
-    return [int(u) for u in data.get("in_flight_swaps", []) or []]
+    return _read_units(plan, "in_flight_swaps")
 
 
 def read_state_swaps(plan: PlanLike) -> Optional[Mapping[str, Any]]:
