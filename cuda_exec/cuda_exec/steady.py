@@ -236,10 +236,7 @@ class _SteadyStep:
             elif ev.check and self.k != ev.pack:
                 raise self._pack_mismatch(ev.pack)
             if ev.boundary:
-                if self.scoped:
-                    self._untracked(self.boundary, u, module, args)
-                else:
-                    self.boundary(u, module, args)
+                self._untracked(self.boundary, u, module, args)
             if ev.arm:
                 self.k = ev.pack
                 self.hooks.__enter__()
@@ -347,10 +344,7 @@ class _SteadyStep:
         if post is not None and post[1] is module:
             self.post = None
             # backward stage u starts (after the glue after it) when its output's gradient arrives
-            if self.scoped:
-                self._untracked(self._post_hooks, post[0], output)
-            else:
-                self._post_hooks(post[0], output)
+            self._untracked(self._post_hooks, post[0], output)
 
     def _post_hooks(self, u: int, output: Any) -> None:
         self.hooked = (u, self._prefetch_hooks(u, output))
