@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import tensorplace as tp
-from cuda_exec.cpu_backend import CpuBackend
+from cuda_exec.step_state import default_backend
 from tensorplace.bench import quiet_torch_logs
 from tensorplace.bench.common import HOST_MALLOC_MODES, host_malloc
 
@@ -53,6 +53,8 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--plans", default="retain,swap-all,recompute-all,checkpoint-blocks")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the stack and its executor on the GPU "
+                    "(CudaBackend); each step ends with a device synchronize")
     ap.add_argument("--host-malloc", default="keep", choices=HOST_MALLOC_MODES,
                     help="the C heap keeps freed memory (as tensorplace-bench does by default)")
     a = ap.parse_args(argv)
@@ -60,10 +62,12 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     malloc = host_malloc(a.host_malloc)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = build(a.blocks, a.width)
-    x = torch.randn(a.batch, a.width)
+    device = torch.device(a.device)
+    model = build(a.blocks, a.width).to(device)
+    x = torch.randn(a.batch, a.width, device=device)
     loss_fn = lambda out: out.sum()  # noqa: E731
-    backend = CpuBackend()
+    backend = default_backend(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=3)
     units = probe.to_dict()["profile"]["units"]
     n = len(units)
@@ -78,16 +82,20 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         fwd_share[method] = sum(u["fwd_time"] for u in recomputed) / max(sum(u["fwd_time"] for u in units), 1e-12)
 
     def step(m: nn.Module) -> float:
+        sync()
         t0 = time.perf_counter()
         loss_fn(m(x)).backward()
+        sync()
         t1 = time.perf_counter()
         for p in model.parameters():
             p.grad = None
         return t1 - t0
 
     def forward() -> float:
+        sync()
         t0 = time.perf_counter()
         out = model(x)
+        sync()
         t1 = time.perf_counter()
         del out
         return t1 - t0
@@ -106,7 +114,8 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     base = med["unplanned"]
     rows = []
     print(f"{n} units ({a.blocks} blocks of Linear/LayerNorm/GELU + Linear), width {a.width}, batch {a.batch}, "
-          f"{a.rounds} interleaved rounds, torch threads {a.threads}, {torch.__version__}, host malloc {malloc}")
+          f"{a.rounds} interleaved rounds, torch threads {a.threads}, {torch.__version__}, host malloc {malloc}, "
+          f"device {device}")
     print(f"  unplanned step {base * 1e3:8.3f} ms, forward alone {med['forward'] * 1e3:8.3f} ms")
     for method, plan in plans.items():
         moved = sum(act != "retain" for act in plan.actions)
@@ -125,7 +134,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
             m.close()
     backend.close()
     out = {"units": n, "blocks": a.blocks, "width": a.width, "batch": a.batch, "threads": a.threads,
-           "rounds": a.rounds, "torch": torch.__version__, "host_malloc": malloc, "unplanned_step_s": base, "forward_s": med["forward"],
+           "rounds": a.rounds, "device": str(device), "torch": torch.__version__, "host_malloc": malloc, "unplanned_step_s": base, "forward_s": med["forward"],
            "unplanned_times": times["unplanned"], "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
