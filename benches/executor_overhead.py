@@ -19,15 +19,25 @@ unit: (median step - unplanned step - recompute) / moved units, where recompute 
 replays' forwards cost, the forward of the recomputed units (their share of the profile's
 forward times, times the measured forward); for all-retain, per unit. ``--json FILE`` writes the
 figures. Run: ``nice python benches/executor_overhead.py [--rounds 15]``.
+
+``--device cuda`` runs the stack on the GPU with the CUDA backend (each step ends with a device
+synchronize). ``--backend cuda-null`` runs the CUDA backend on the CPU over a runtime whose calls
+do nothing but copy the bytes (``NullRuntime``): the backend's own host work, with no GPU, and the
+runtime calls it makes per swapped storage (each a driver call on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import ctypes
+import itertools
 import json
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, List
 
 import torch
@@ -37,6 +47,81 @@ import tensorplace as tp
 from cuda_exec.step_state import default_backend
 from tensorplace.bench import quiet_torch_logs
 from tensorplace.bench.common import HOST_MALLOC_MODES, host_malloc
+
+
+class NullRuntime:
+    """cuda-python's runtime calls the CUDA backend makes, doing nothing but copying bytes between
+    host addresses (pinned buffers are ctypes buffers); counts the calls."""
+
+    def __init__(self) -> None:
+        from cuda_exec.gpu import runtime_module
+
+        self._rt = runtime_module()
+        self._ok = self._rt.cudaError_t.cudaSuccess
+        self._ids = itertools.count(1 << 20)
+        self._buffers: Dict[int, Any] = {}
+        self.calls: collections.Counter = collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:  # enums and flags
+        return getattr(self._rt, name)
+
+    def _done(self, name: str, *values: Any) -> Any:
+        self.calls[name] += 1
+        return (self._ok, *values)
+
+    def cudaStreamCreateWithFlags(self, flags: Any) -> Any:
+        return self._done("cudaStreamCreateWithFlags", next(self._ids))
+
+    def cudaEventCreateWithFlags(self, flags: Any) -> Any:
+        return self._done("cudaEventCreateWithFlags", next(self._ids))
+
+    def cudaMemcpyAsync(self, dst: int, src: int, n: int, kind: Any, stream: Any) -> Any:
+        ctypes.memmove(dst, src, n)
+        return self._done("cudaMemcpyAsync")
+
+    def cudaHostAlloc(self, n: int, flags: Any) -> Any:
+        buf = ctypes.create_string_buffer(n)
+        self._buffers[ctypes.addressof(buf)] = buf
+        return self._done("cudaHostAlloc", ctypes.addressof(buf))
+
+    def cudaFreeHost(self, ptr: int) -> Any:
+        self._buffers.pop(ptr, None)
+        return self._done("cudaFreeHost")
+
+    def cudaEventElapsedTime(self, a: Any, b: Any) -> Any:
+        return self._done("cudaEventElapsedTime", 1.0)
+
+    def _no_op(name: str) -> Any:  # type: ignore[misc]
+        def call(self: "NullRuntime", *args: Any) -> Any:
+            return self._done(name)
+        return call
+
+    for _name in ("cudaStreamDestroy", "cudaEventDestroy", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery",
+                  "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
+        locals()[_name] = _no_op(_name)
+    del _name, _no_op
+
+
+class NullTorch:
+    """The CUDA backend's torch adapter on CPU tensors: one compute stream, torch's default (0)."""
+
+    device = torch.device("cpu")
+    _stream = SimpleNamespace(cuda_stream=0)
+
+    def current_stream(self) -> Any:
+        return self._stream
+
+    def current_handle(self) -> int:
+        return 0
+
+    def empty_strided(self, size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def device_guard(self) -> Any:
+        return contextlib.nullcontext()
 
 
 def build(blocks: int, width: int) -> nn.Sequential:
@@ -55,6 +140,8 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the stack and its executor on the GPU "
                     "(CudaBackend); each step ends with a device synchronize")
+    ap.add_argument("--backend", default="default", choices=["default", "cuda-null"],
+                    help="cuda-null: the CUDA backend on a runtime that only copies bytes (CPU)")
     ap.add_argument("--host-malloc", default="keep", choices=HOST_MALLOC_MODES,
                     help="the C heap keeps freed memory (as tensorplace-bench does by default)")
     a = ap.parse_args(argv)
@@ -66,7 +153,16 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     model = build(a.blocks, a.width).to(device)
     x = torch.randn(a.batch, a.width, device=device)
     loss_fn = lambda out: out.sum()  # noqa: E731
-    backend = default_backend(device)
+    null_rt = None
+    if a.backend == "cuda-null":
+        if device.type != "cpu":
+            raise SystemExit("--backend cuda-null runs on the CPU (--device cpu)")
+        from cuda_exec.cuda_backend import CudaBackend
+
+        null_rt = NullRuntime()
+        backend = CudaBackend(_runtime=null_rt, _torch=NullTorch())
+    else:
+        backend = default_backend(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=3)
     units = probe.to_dict()["profile"]["units"]
@@ -102,20 +198,27 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
 
     times: Dict[str, List[float]] = {k: [] for k in modes}
     times["forward"] = []
+    #: per plan: runtime calls and offloads over the timed steps (--backend cuda-null)
+    calls: Dict[str, collections.Counter] = {k: collections.Counter() for k in modes}
     for _ in range(3):  # warm-up: the executors' learning steps
         for m in modes.values():
             step(m)
     for r in range(a.rounds):
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
         for k, m in order:
+            if null_rt is not None:
+                before, offloads = collections.Counter(null_rt.calls), backend.stats["offloads"]
             times[k].append(step(m))
+            if null_rt is not None:
+                calls[k].update(null_rt.calls - before)
+                calls[k]["offloads"] += backend.stats["offloads"] - offloads
         times["forward"].append(forward())
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["unplanned"]
     rows = []
     print(f"{n} units ({a.blocks} blocks of Linear/LayerNorm/GELU + Linear), width {a.width}, batch {a.batch}, "
           f"{a.rounds} interleaved rounds, torch threads {a.threads}, {torch.__version__}, host malloc {malloc}, "
-          f"device {device}")
+          f"device {device}, backend {backend.name}{' (null runtime)' if null_rt is not None else ''}")
     print(f"  unplanned step {base * 1e3:8.3f} ms, forward alone {med['forward'] * 1e3:8.3f} ms")
     for method, plan in plans.items():
         moved = sum(act != "retain" for act in plan.actions)
@@ -125,16 +228,24 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         row = {"plan": method, "step_s": med[method], "moved_units": moved, "recompute_s": recompute,
                "cost_per_moved_unit_us": per * 1e6, "predicted_step_s": plan.predicted["step_time"],
                "step_times": times[method]}
+        if calls[method]["offloads"]:
+            c = calls[method]
+            offloads = c.pop("offloads")
+            row["runtime_calls_per_offload"] = {k: v / offloads for k, v in sorted(c.items())}
         rows.append(row)
         what = "per moved unit" if moved else "per unit (nothing moved)"
         print(f"  {method:18s} step {med[method] * 1e3:8.3f} ms  moved {moved:3d}  recompute {recompute * 1e3:7.3f} ms"
               f"  executor {per * 1e6:7.1f} us {what}  (predicted step {plan.predicted['step_time'] * 1e3:.3f} ms)")
+        if "runtime_calls_per_offload" in row:
+            per_offload = row["runtime_calls_per_offload"]
+            print(f"  {'':18s} runtime calls per swapped storage {sum(per_offload.values()):.1f}: "
+                  + ", ".join(f"{k.removeprefix('cuda')} {v:.2f}" for k, v in per_offload.items()))
     for m in modes.values():
         if m is not model:
             m.close()
     backend.close()
     out = {"units": n, "blocks": a.blocks, "width": a.width, "batch": a.batch, "threads": a.threads,
-           "rounds": a.rounds, "device": str(device), "torch": torch.__version__, "host_malloc": malloc, "unplanned_step_s": base, "forward_s": med["forward"],
+           "rounds": a.rounds, "device": str(device), "backend": a.backend, "torch": torch.__version__, "host_malloc": malloc, "unplanned_step_s": base, "forward_s": med["forward"],
            "unplanned_times": times["unplanned"], "rows": rows}
     if a.json:
         with open(a.json, "w") as f:

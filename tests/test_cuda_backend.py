@@ -303,6 +303,13 @@ def test_fake_ordering_follows_the_live_compute_stream(fake):
     h2 = b.offload(torch.zeros(10))
     assert rt.compute_records[-1] == 23  # looked up again, not cached
     assert b.fetch(h) is y  # fetching again returns the live tensor
+    records = list(tt.recorded)
+    h3 = b.offload(torch.ones(50))
+    rt.run()
+    b.prefetch(h3)  # allocated on stream 23 and used there: the allocator needs no record
+    b.fetch(h3)
+    assert tt.recorded == records
+    b.release(h3)
     tt.stream = 0  # torch's default stream is the legacy default stream
     b.release(b.offload(torch.ones(3)))
     assert rt.compute_records[-1] == int(RT.cudaStreamLegacy)

@@ -10,9 +10,10 @@ Streams and ordering
   host-to-device copies run at once on separate copy engines, the cost model's two copy queues,
   docs/cost-model.md). Both are created with `cudaStreamCreateWithFlags(cudaStreamNonBlocking)`, so
   they never synchronise implicitly with the legacy default stream.
-- The compute stream is looked up live on every call (`torch.cuda.current_stream(device)`): the
-  forward runs on the user's stream and autograd runs backward on its own device thread, where the
-  current stream may differ. Nothing caches it.
+- The compute stream is looked up live on every call (its raw handle, torch's
+  `_cuda_getCurrentRawStream`, without making a `torch.cuda.Stream`): the forward runs on the
+  user's stream and autograd runs backward on its own device thread, where the current stream may
+  differ. Nothing caches it.
 - offload: record an event on the compute stream now (the copy must read the finished
   activation) and put the copy in a **host-side queue**; return at once. Device-to-host copies are
   issued from that queue to the D2H stream with a small window in flight: a copy is issued when no
@@ -43,8 +44,9 @@ Streams and ordering
   is still queued on the host it is cancelled instead; if it was issued but has not completed, its
   source (still alive) is handed back, no second copy is allocated next to it.
 - fetch: `cudaStreamWaitEvent(current compute stream, ready event)` - a device-side wait, the host
-  never blocks - and `tensor.record_stream(current stream)`, so if fetch runs on another stream
-  than the one the tensor was allocated on, the caching allocator will not reuse it early.
+  never blocks - and, when fetch runs on another stream than the one the prefetch allocated the
+  tensor on, `tensor.record_stream(current stream)`, so the caching allocator will not reuse it
+  early (on its own stream the allocator needs no record).
 - A swap deadline (`release_offload`) is a device-side wait too: the offload (and every offload
   queued on the host before it) is issued if it was not, the compute stream waits for its
   completion event (and so, the D2H stream being FIFO, for every D2H copy before it) and the
@@ -308,6 +310,10 @@ class _EventPool:
             raise first_error
 
 
+#: torch's current raw stream of a device index (what torch's own compiled code asks for)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class _TorchCuda:
     """The few things asked of torch: the live current stream, allocation, record_stream."""
 
@@ -316,6 +322,13 @@ class _TorchCuda:
 
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
+
+    def current_handle(self) -> int:
+        """The current stream's raw handle (0: the legacy default stream), without making a
+        torch.cuda.Stream (a few microseconds on every call into the backend otherwise)."""
+        if _raw_stream is None:
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        return int(_raw_stream(self.device.index))
 
     def empty_strided(self, size, stride, dtype) -> torch.Tensor:
         return torch.empty_strided(size, stride, dtype=dtype, device=self.device)
@@ -362,15 +375,22 @@ class _Queued:
 class CudaHostHandle:
     """An activation in pinned host memory (or on its way there)."""
 
-    __slots__ = ("nbytes", "shape", "stride", "dtype", "_slot", "_finalizer", "__weakref__")
+    __slots__ = ("nbytes", "shape", "stride", "dtype", "_slot", "_dead", "__weakref__")
 
-    def __init__(self, nbytes, shape, stride, dtype, slot):
+    def __init__(self, nbytes, shape, stride, dtype, slot, dead=None):
         self.nbytes = nbytes  # bytes copied each way
         self.shape = shape
         self.stride = stride  # strides the fetched tensor will have
         self.dtype = dtype
         self._slot: Optional[_Slot] = slot
-        self._finalizer = None
+        #: the backend's queue of slots whose handles were dropped unreleased (reclaimed at its
+        #: next call); a finalizer per handle cost more than the rest of making one
+        self._dead: Optional[Deque[_Slot]] = dead
+
+    def __del__(self) -> None:
+        slot = self._slot
+        if slot is not None and self._dead is not None:
+            self._dead.append(slot)
 
     @property
     def host_nbytes(self) -> int:
@@ -388,6 +408,8 @@ class CudaHostHandle:
 
 def _is_dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: the elements fill exactly numel consecutive slots."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for st, sz in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
         if st != expected:
@@ -516,7 +538,7 @@ class CudaBackend(Backend):
             try:
                 ready = self._events.acquire()
                 # the activation is finished when the work queued so far on the compute stream is
-                self._cuda("cudaEventRecord", ready, self._compute_stream()[1])
+                self._cuda("cudaEventRecord", ready, self._compute_stream())
             except BaseException:
                 self.pool.give_back(ptr, slot.fence)
                 raise
@@ -545,10 +567,11 @@ class CudaBackend(Backend):
                 if slot.device is None:
                     self._prefetch(handle, slot)
                 tensor = slot.device
-            stream, stream_handle = self._compute_stream()
+            stream_handle = self._compute_stream()
             if slot.ready_event is not None:  # device-side wait: the host does not block
                 self._cuda("cudaStreamWaitEvent", stream_handle, slot.ready_event, 0)
-            self._torch.record_stream(tensor, stream)
+            if stream_handle != slot.alloc_stream:  # the caching allocator ignores its block's own stream
+                self._torch.record_stream(tensor, self._torch.current_stream())
             slot.device = None
             slot.fetched = weakref.ref(tensor)
             self.stats["fetches"] += 1
@@ -560,8 +583,6 @@ class CudaBackend(Backend):
             if slot is None:
                 return
             handle._slot = None
-            if handle._finalizer is not None:
-                handle._finalizer.detach()
             if self._closed:
                 return  # close() already freed everything
             self._reclaim(slot)
@@ -614,7 +635,7 @@ class CudaBackend(Backend):
             ev = slot.offload_event
             if ev is None:
                 return  # completed already (its source is gone), released, or never copied
-            self._cuda("cudaStreamWaitEvent", self._compute_stream()[1], ev, 0)
+            self._cuda("cudaStreamWaitEvent", self._compute_stream(), ev, 0)
             for i, (e, _src, n) in enumerate(self._pending):
                 self._pending[i] = (e, None, n)
                 if e is ev:
@@ -657,7 +678,7 @@ class CudaBackend(Backend):
                     for _ in range(2):  # timing events (the pooled ones disable timing)
                         timing.append(self._cuda("cudaEventCreateWithFlags", rt.cudaEventDefault))
                 start, end = timing
-                compute = self._compute_stream()[1]
+                compute = self._compute_stream()
                 self._copy_waits_for(self._d2h, compute)
                 self._copy_waits_for(self._h2d, compute)
                 if fence is not None:
@@ -748,9 +769,8 @@ class CudaBackend(Backend):
             raise RuntimeError("CudaBackend is closed")
 
     def _new_handle(self, nbytes: int, src: torch.Tensor, slot: _Slot) -> CudaHostHandle:
-        handle = CudaHostHandle(nbytes, tuple(src.shape), tuple(src.stride()), src.dtype, slot)
+        handle = CudaHostHandle(nbytes, tuple(src.shape), tuple(src.stride()), src.dtype, slot, self._dead)
         self._slots.add(slot)
-        handle._finalizer = weakref.finalize(handle, self._dead.append, slot)
         return handle
 
     def _live(self, handle: CudaHostHandle) -> _Slot:
@@ -762,14 +782,14 @@ class CudaBackend(Backend):
                 from slot.error
         return slot
 
-    def _compute_stream(self) -> Tuple[Any, int]:
-        """The current compute stream of our device, looked up now: (torch stream, handle).
-        torch names its default stream 0, which means the legacy default stream (torch is not
-        built for per-thread default streams); it is passed to cuda-python as cudaStreamLegacy so
-        that it means the same whatever default-stream mode cuda-python's runtime is in."""
-        stream = self._torch.current_stream()
-        handle = int(stream.cuda_stream)
-        return stream, (handle if handle else self._legacy_stream)
+    def _compute_stream(self) -> int:
+        """The current compute stream of our device, looked up now, as a handle. torch names its
+        default stream 0, which means the legacy default stream (torch is not built for
+        per-thread default streams); it is passed to cuda-python as cudaStreamLegacy so that it
+        means the same whatever default-stream mode cuda-python's runtime is in."""
+        current = getattr(self._torch, "current_handle", None)
+        handle = current() if current is not None else int(self._torch.current_stream().cuda_stream)
+        return handle if handle else self._legacy_stream
 
     def _copy_waits_for(self, copy_stream: Any, compute_stream: int) -> None:
         """Order `copy_stream` after everything queued so far on `compute_stream`."""
@@ -876,7 +896,7 @@ class CudaBackend(Backend):
             self.stats["kept_sources"] += 1
             self.stats["prefetches"] += 1
             return
-        stream = self._compute_stream()[1]
+        stream = self._compute_stream()
         tensor = self._torch.empty_strided(handle.shape, handle.stride, handle.dtype)
         slot.alloc_stream = stream
         if handle.nbytes:
@@ -930,6 +950,8 @@ class CudaBackend(Backend):
         offloads whose completion event has fired (cudaEventQuery), issue what the D2H window
         allows."""
         self._check_open()
+        if not (self._dead or self._pending or self._queue):
+            return
         while self._dead:
             self._reclaim(self._dead.popleft())
         while self._pending:
