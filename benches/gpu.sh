@@ -56,7 +56,11 @@ step peers-resnet50-b64 110 peers --model resnet50 --batch 64 --image 224 --clas
 #    then a reserved-budget plan run with the process capped at its budget (its own process).
 run plans-resnet50 100 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --fractions 0.5 0.3
 run reserved-resnet50 60 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --reserved 5519MiB
-# 4. The GPT's peers table.
+# 4. Issue 17: the executor's host work per moved unit on the GPU (the 193-unit tiny stack, the CUDA
+#    backend), and the tiny models' peers, host-bound on a GPU as on one CPU thread.
+run overhead-cuda 45 "$PYTHON" benches/executor_overhead.py --device "$DEVICE" --rounds 21 --json "$OUT/overhead-cuda.json"
+step peers-tiny-gpt 60 peers --model gpt6s --batch 1 --seq 64 --device "$DEVICE" --repeats 9 --particles 100 --iterations 50
+# 5. The GPT's peers table.
 step peers-gpt12 125 peers "${GPT[@]}" --time-limit 40 --repeats 2 --particles 100 --iterations 50
 echo "== done after ${SECONDS}s: $fails command(s) failed or were skipped; results in $OUT"
 
@@ -68,6 +72,9 @@ if [ "${EXTRA:-0}" = 1 ]; then  # beyond the 10 minutes: planned against unplann
         --probe-batches 32 64 --methods pso unplanned --tries 2 --repeats 1
     step demo-resnet50 100 demo "${R50[@]}" --fraction 0.5 --iterations 50 --particles 100
     step accuracy-resnet50 150 accuracy "${R50[@]}" --fractions 0.3 0.5 --iterations 50 --particles 100
+    # issue 19: plans made for the compiled engine, on the GPU (its cost model takes about 80 s to measure)
+    run compiled-gpt6 200 "$PYTHON" benches/compiled_model.py --model gpt6 --batch 8 --seq 256 --device "$DEVICE" \
+        --repeats 5 --fractions 0.25,0.75 --json "$OUT/compiled-gpt6.jsonl"
     step timeline-resnet50 40 timeline --plan "$OUT/resnet50-b128.retain.plan.json" --png "$OUT/timeline-resnet50.png"
 fi
 exit $((fails > 0))
