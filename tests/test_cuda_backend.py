@@ -222,7 +222,7 @@ def test_fake_source_held_until_copy_completes(fake):
     assert rt.queue, "offload issued the copy and returned"
     for _ in range(3):  # polling never blocks and never drops the source early
         assert b.poll() == 1
-        assert any(src.data_ptr() == ptr for _ev, src, _n in b._pending)
+        assert any(src.data_ptr() == ptr for _ev, src, _n, _slot in b._pending)
     rt.run()
     assert b.poll() == 0 and not b._pending
     assert torch.equal(b.fetch(h), torch.arange(1 << 16, dtype=torch.float32))

@@ -105,7 +105,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -155,6 +155,7 @@ class _Cuda:
         self.rt = rt
         self.success = rt.cudaError_t.cudaSuccess
         self.not_ready = rt.cudaError_t.cudaErrorNotReady
+        self._fns: Dict[str, Any] = {}  #: call name -> the runtime's function, looked up once
 
     def check(self, call: str, result: Any) -> Any:
         """`result` is what a cuda-python call returns: (err, *values). Returns the values
@@ -170,7 +171,13 @@ class _Cuda:
         return values[0] if len(values) == 1 else values
 
     def __call__(self, call: str, *args: Any) -> Any:
-        return self.check(call, getattr(self.rt, call)(*args))
+        fn = self._fns.get(call)
+        if fn is None:
+            fn = self._fns[call] = getattr(self.rt, call)
+        result = fn(*args)
+        if type(result) is tuple and len(result) == 1 and result[0] == self.success:
+            return None  # the calls of the hot path: no values
+        return self.check(call, result)
 
 
 class PinnedPool:
@@ -462,15 +469,14 @@ class CudaBackend(Backend):
         self._legacy_stream = int(getattr(self._cuda.rt, "cudaStreamLegacy", 1))
         self._lock = threading.RLock()
         self._dead: Deque[_Slot] = collections.deque()  # slots of handles dropped unreleased
-        self._slots: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
+        #: every slot not reclaimed yet (close() disarms them)
+        self._slots: Set[_Slot] = set()
         #: offloads not issued yet, in order (the host-side D2H queue)
         self._queue: Deque[_Queued] = collections.deque()
         #: issued offloads in D2H-stream order: (completion event, source kept alive or None once
-        #: a swap deadline let it go, bytes), until their completion is seen
-        self._pending: Deque[Tuple[Any, Optional[torch.Tensor], int]] = collections.deque()
+        #: a swap deadline let it go, bytes, slot), until their completion is seen
+        self._pending: Deque[Tuple[Any, Optional[torch.Tensor], int, _Slot]] = collections.deque()
         self._pending_bytes = 0
-        #: id(pending offload's completion event) -> its slot (events are pooled and reused)
-        self._event_slot: Dict[int, "weakref.ref[_Slot]"] = {}
         self._d2h: Any = None
         self._h2d: Any = None
         with self._torch.device_guard():
@@ -636,8 +642,8 @@ class CudaBackend(Backend):
             if ev is None:
                 return  # completed already (its source is gone), released, or never copied
             self._cuda("cudaStreamWaitEvent", self._compute_stream(), ev, 0)
-            for i, (e, _src, n) in enumerate(self._pending):
-                self._pending[i] = (e, None, n)
+            for i, (e, _src, n, owner) in enumerate(self._pending):
+                self._pending[i] = (e, None, n, owner)
                 if e is ev:
                     break
             self.stats["deadline_releases"] += 1
@@ -731,7 +737,6 @@ class CudaBackend(Backend):
             self._queue.clear()
             self._pending.clear()
             self._pending_bytes = 0
-            self._event_slot.clear()
             self._dead.clear()
             for slot in list(self._slots):
                 slot.ptr = None
@@ -851,10 +856,9 @@ class CudaBackend(Backend):
             self._events.give_back(slot.fence)  # the wait captured it
             slot.fence = None
         self._events.give_back(item.ready)
-        self._pending.append((done, src, item.nbytes))  # src (a view of the caller's storage) stays alive
+        self._pending.append((done, src, item.nbytes, slot))  # src (a view of the caller's storage) stays alive
         self._pending_bytes += item.nbytes
         slot.offload_event = done
-        self._event_slot[id(done)] = weakref.ref(slot)
         self.stats["d2h_copies"] += 1
         self.stats["d2h_bytes"] += item.nbytes
 
@@ -874,7 +878,7 @@ class CudaBackend(Backend):
         ev = slot.offload_event
         if ev is None:
             return None
-        for e, src, _n in self._pending:
+        for e, src, _n, _slot in self._pending:
             if e is ev:
                 return src
         return None
@@ -955,7 +959,7 @@ class CudaBackend(Backend):
         while self._dead:
             self._reclaim(self._dead.popleft())
         while self._pending:
-            ev, _src, n = self._pending[0]
+            ev, _src, n, owner = self._pending[0]
             err = self._cuda.rt.cudaEventQuery(ev)
             err = err[0] if isinstance(err, tuple) else err
             if err == self._cuda.not_ready:
@@ -963,9 +967,7 @@ class CudaBackend(Backend):
             self._cuda.check("cudaEventQuery", (err,))
             self._pending.popleft()
             self._pending_bytes -= n
-            ref = self._event_slot.pop(id(ev), None)
-            owner = ref() if ref is not None else None
-            if owner is not None and owner.offload_event is ev:
+            if owner.offload_event is ev:
                 owner.offload_event = None
             self._events.give_back(ev)
         self._pump()
