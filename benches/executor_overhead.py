@@ -129,7 +129,7 @@ def build(blocks: int, width: int) -> nn.Sequential:
                            for _ in range(blocks)], nn.Linear(width, width))
 
 
-def main(argv: List[str] = None) -> Dict[str, Any]:
+def arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=41, help="interleaved rounds (one step of every mode each)")
     ap.add_argument("--blocks", type=int, default=64)
@@ -144,7 +144,11 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
                     help="cuda-null: the CUDA backend on a runtime that only copies bytes (CPU)")
     ap.add_argument("--host-malloc", default="keep", choices=HOST_MALLOC_MODES,
                     help="the C heap keeps freed memory (as tensorplace-bench does by default)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: List[str] = None) -> Dict[str, Any]:
+    a = arguments().parse_args(argv)
     quiet_torch_logs()
     malloc = host_malloc(a.host_malloc)
     torch.set_num_threads(a.threads)

@@ -45,23 +45,24 @@ R50=(--model resnet50 --batch 128 --image 224 --classes 1000 --device "$DEVICE")
 GPT=(--model gpt12 --batch 16 --seq 1024 --device "$DEVICE")
 
 # 1. The CUDA tests: the CUDA backend, state swaps, the bench's --device cuda.
-run cuda-tests 60 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_backend.py tests/test_state_swaps.py \
+run cuda-tests 80 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_backend.py tests/test_state_swaps.py \
     tests/test_bench.py::test_device_cuda_puts_everything_on_the_gpu
 # 2. Issue 17: the peers table of ResNet-50 b64 (the batch of shared/gpu-runs/2026-11-26), each row
 #    on its own with its own limit: tensorplace's checkpoint-blocks plan against torch's checkpoint.
-step peers-resnet50-b64 110 peers --model resnet50 --batch 64 --image 224 --classes 1000 --device "$DEVICE" \
+step peers-resnet50-b64 70 peers --model resnet50 --batch 64 --image 224 --classes 1000 --device "$DEVICE" \
     --repeats 5 --particles 100 --iterations 50 --time-limit 30
 # 3. Issue 18: swap-all, recompute-all and PSO plans of ResNet-50 b128, predicted against measured
 #    allocated peaks (rows in $OUT/gpu-plans.jsonl, the profile in $OUT/resnet50-b128.retain.plan.json);
 #    then a reserved-budget plan run with the process capped at its budget (its own process).
-run plans-resnet50 100 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --fractions 0.5 0.3
+run plans-resnet50 60 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --fractions 0.5 0.3
 run reserved-resnet50 60 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --reserved 5519MiB
 # 4. Issue 17: the executor's host work per moved unit on the GPU (the 193-unit tiny stack, the CUDA
 #    backend), and the tiny models' peers, host-bound on a GPU as on one CPU thread.
-run overhead-cuda 45 "$PYTHON" benches/executor_overhead.py --device "$DEVICE" --rounds 21 --json "$OUT/overhead-cuda.json"
-step peers-tiny-gpt 60 peers --model gpt6s --batch 1 --seq 64 --device "$DEVICE" --repeats 9 --particles 100 --iterations 50
+run overhead-cuda 40 "$PYTHON" benches/executor_overhead.py --device "$DEVICE" --rounds 21 --json "$OUT/overhead-cuda.json"
+step peers-tiny-gpt 45 peers --model gpt6s --batch 1 --seq 64 --device "$DEVICE" --repeats 9 --particles 100 --iterations 50 \
+    --time-limit 20
 # 5. The GPT's peers table.
-step peers-gpt12 125 peers "${GPT[@]}" --time-limit 40 --repeats 2 --particles 100 --iterations 50
+step peers-gpt12 110 peers "${GPT[@]}" --time-limit 40 --repeats 2 --particles 100 --iterations 50
 echo "== done after ${SECONDS}s: $fails command(s) failed or were skipped; results in $OUT"
 
 if [ "${EXTRA:-0}" = 1 ]; then  # beyond the 10 minutes: planned against unplanned and predicted
