@@ -762,3 +762,22 @@ def test_link_capped_bench_measures_swap_heavy_plans_within_their_predicted_peak
     assert rows[0]["swap"] > 0 and rows[0]["recompute"] == 0
     assert all(row["measured_peak_bytes"] <= row["predicted_peak_bytes"] for row in rows), rows
     assert "| swap-all |" in r.stdout
+
+
+def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_path: Path) -> None:
+    """benches/executor_overhead.py --backend cuda-null (issue 17's host work of the CUDA backend,
+    without a GPU): the swap plan's steps run through CudaBackend, whose runtime calls per swapped
+    storage are counted: one copy each way at most, each copy behind an event."""
+    import runpy
+
+    root = Path(__file__).resolve().parents[1]
+    main = runpy.run_path(str(root / "benches" / "executor_overhead.py"), run_name="checked")["main"]
+    out = main(["--blocks", "3", "--rounds", "2", "--plans", "swap-all", "--backend", "cuda-null",
+                "--json", str(tmp_path / "o.json")])
+    assert out["backend"] == "cuda-null" and json.loads((tmp_path / "o.json").read_text())["rows"]
+    (row,) = out["rows"]
+    assert row["plan"] == "swap-all" and row["moved_units"] == out["units"] == 10
+    calls = row["runtime_calls_per_offload"]
+    assert 1.0 <= calls["cudaMemcpyAsync"] <= 2.0, calls
+    assert calls["cudaEventRecord"] >= calls["cudaMemcpyAsync"], calls
+    assert not any(k.endswith("Synchronize") for k in calls), calls  # the step never blocks the host
