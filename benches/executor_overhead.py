@@ -91,15 +91,17 @@ class NullRuntime:
     def cudaEventElapsedTime(self, a: Any, b: Any) -> Any:
         return self._done("cudaEventElapsedTime", 1.0)
 
-    def _no_op(name: str) -> Any:  # type: ignore[misc]
-        def call(self: "NullRuntime", *args: Any) -> Any:
-            return self._done(name)
-        return call
 
-    for _name in ("cudaStreamDestroy", "cudaEventDestroy", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery",
-                  "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
-        locals()[_name] = _no_op(_name)
-    del _name, _no_op
+def _no_op(name: str) -> Any:
+    def call(self: NullRuntime, *args: Any) -> Any:
+        return self._done(name)
+    call.__name__ = name
+    return call
+
+
+for _name in ("cudaStreamDestroy", "cudaEventDestroy", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery",
+              "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize"):
+    setattr(NullRuntime, _name, _no_op(_name))
 
 
 class NullTorch:
