@@ -318,6 +318,36 @@ def test_fake_ordering_follows_the_live_compute_stream(fake):
         b.release(hh)
 
 
+def test_fake_a_batch_of_offloads_and_prefetches_orders_each_stream_once(fake):
+    """A stage's copies at once (offload_many, prefetch_many): one event on the compute stream
+    for the batch's offloads and one wait for it on the D2H stream; one wait of the H2D stream
+    for the compute stream before the batch's copies back; the bytes come back exact (a
+    non-dense tensor among them)."""
+    b, rt, tt = fake.b, fake.rt, fake.torch
+    xs = [torch.randn(100), torch.randn(10, 20)[:, ::3], torch.randn(50)]
+    refs = [_bits(x).clone() for x in xs]
+    b.d2h_window = 8
+    before = dict(rt.call_counts)
+    hs = b.offload_many(xs)
+    made = {k: v - before.get(k, 0) for k, v in rt.call_counts.items()}
+    assert made.get("cudaEventRecord", 0) == 1 + 3  # the batch's ready event, then each copy's completion
+    d2h_waits = [w for w in rt.waits if w[0] == b.d2h_stream]
+    assert len(d2h_waits) == 1, rt.waits
+    del xs
+    rt.run()
+    b.poll()
+    assert b.pending_offloads == 0
+    before_waits = len(rt.waits)
+    b.prefetch_many(hs)
+    h2d_waits = [w for w in rt.waits[before_waits:] if w[0] == b.h2d_stream]
+    assert len(h2d_waits) == 1, rt.waits[before_waits:]
+    for h, ref in zip(hs, refs):
+        assert torch.equal(_bits(b.fetch(h)), ref)
+        b.release(h)
+    b.synchronize()
+    assert b.pool.bytes_in_use == 0
+
+
 def test_fake_prefetch_then_release_without_fetch(fake):
     b, rt, tt = fake.b, fake.rt, fake.torch
     h = b.offload(torch.ones(4096))

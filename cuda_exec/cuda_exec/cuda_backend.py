@@ -21,7 +21,9 @@ Streams and ordering
   all would wait behind the one running (what is in flight is what `cudaEventQuery` has not seen
   complete). Every call into the backend issues what the window allows. Issuing: the D2H stream
   waits for the offload's compute event (and for the pinned buffer's fence, below),
-  `cudaMemcpyAsync` D2H, a completion event on the D2H stream.
+  `cudaMemcpyAsync` D2H, a completion event on the D2H stream. `offload_many` (the executor's
+  storages of one stage) records one compute event for the batch, and the D2H stream waits for it
+  once when the batch's copies are issued in a row (the stream is FIFO).
 - **Cancelling.** A copy queued on a CUDA stream cannot be taken back; one still in the host queue
   can. A prefetch or fetch of an offload that has not been issued cancels it: its device bytes are
   used as they are (the cost model cancels a swap-out that is still queued when its tensor is
@@ -42,7 +44,9 @@ Streams and ordering
   offload's completion event if it has not been seen complete (the two directions run on
   different streams), `cudaMemcpyAsync` H2D, record a ready event. Returns at once. If the offload
   is still queued on the host it is cancelled instead; if it was issued but has not completed, its
-  source (still alive) is handed back, no second copy is allocated next to it.
+  source (still alive) is handed back, no second copy is allocated next to it. `prefetch_many`
+  (a stage's prefetches) makes the H2D stream wait for the compute stream once for the batch (it
+  queues no compute work between its copies).
 - fetch: `cudaStreamWaitEvent(current compute stream, ready event)` - a device-side wait, the host
   never blocks - and, when fetch runs on another stream than the one the prefetch allocated the
   tensor on, `tensor.record_stream(current stream)`, so the caching allocator will not reuse it
@@ -105,7 +109,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -366,13 +370,24 @@ class _Slot:
         self.error: Optional[BaseException] = None  # why its offload could not be issued
 
 
+class _Ready:
+    """A compute-stream event the copies of one batch of offloads wait for (recorded once for
+    the batch; back to the event pool when the last of them is issued or cancelled)."""
+
+    __slots__ = ("event", "refs")
+
+    def __init__(self, event: Any):
+        self.event = event
+        self.refs = 0
+
+
 class _Queued:
     """An offload waiting in the host queue: its source (kept alive), the compute-stream event
-    the copy must wait for, and its slot."""
+    the copy must wait for (shared by its batch), and its slot."""
 
     __slots__ = ("slot", "src", "nbytes", "ready")
 
-    def __init__(self, slot: _Slot, src: torch.Tensor, nbytes: int, ready: Any):
+    def __init__(self, slot: _Slot, src: torch.Tensor, nbytes: int, ready: _Ready):
         self.slot = slot
         self.src: Optional[torch.Tensor] = src
         self.nbytes = nbytes
@@ -477,6 +492,9 @@ class CudaBackend(Backend):
         #: a swap deadline let it go, bytes, slot), until their completion is seen
         self._pending: Deque[Tuple[Any, Optional[torch.Tensor], int, _Slot]] = collections.deque()
         self._pending_bytes = 0
+        #: the batch whose ready event the D2H stream waited for last (FIFO: later copies need no
+        #: second wait for it)
+        self._d2h_after: Optional[_Ready] = None
         self._d2h: Any = None
         self._h2d: Any = None
         with self._torch.device_guard():
@@ -521,48 +539,70 @@ class CudaBackend(Backend):
         return len(self._queue)
 
     def offload(self, tensor: torch.Tensor) -> CudaHostHandle:
+        return self.offload_many((tensor,))[0]
+
+    def offload_many(self, tensors: Sequence[torch.Tensor]) -> List[CudaHostHandle]:
+        """Offload several tensors finished by the same compute work (a stage's swapped
+        storages): one event on the compute stream for all of them, and the D2H stream waits for
+        it once when their copies are issued in a row."""
         with self._lock:
             self._service()
-            if tensor.layout != torch.strided:
-                raise TypeError(f"CudaBackend.offload supports strided tensors only, got {tensor.layout}")
-            if tensor.device != self.device:
-                raise ValueError(f"CudaBackend on {self.device} cannot offload a tensor on {tensor.device}")
-            src = tensor.detach()
-            if src.is_conj():
-                src = src.resolve_conj()
-            if src.is_neg():
-                src = src.resolve_neg()
-            if not _is_dense(src):
-                src = src.contiguous()  # runs on the compute stream; the copy waits for it below
-            nbytes = src.numel() * src.element_size()
-            if nbytes == 0:
-                slot = _Slot(None, 0)
-                return self._new_handle(0, src, slot)
-            ptr, capacity = self.pool.acquire(nbytes)
-            slot = _Slot(ptr, capacity)
-            slot.fence = self.pool.take_fence(ptr)
-            try:
-                ready = self._events.acquire()
-                # the activation is finished when the work queued so far on the compute stream is
-                self._cuda("cudaEventRecord", ready, self._compute_stream())
-            except BaseException:
-                self.pool.give_back(ptr, slot.fence)
-                raise
-            handle = self._new_handle(nbytes, src, slot)
-            slot.queued = _Queued(slot, src, nbytes, ready)
-            del src
-            self._queue.append(slot.queued)
-            self.stats["offloads"] += 1
+            srcs = []
+            for tensor in tensors:  # every tensor checked and made dense before the event
+                if tensor.layout != torch.strided:
+                    raise TypeError(f"CudaBackend.offload supports strided tensors only, got {tensor.layout}")
+                if tensor.device != self.device:
+                    raise ValueError(f"CudaBackend on {self.device} cannot offload a tensor on {tensor.device}")
+                src = tensor.detach()
+                if src.is_conj():
+                    src = src.resolve_conj()
+                if src.is_neg():
+                    src = src.resolve_neg()
+                if not _is_dense(src):
+                    src = src.contiguous()  # runs on the compute stream; the copy waits for it below
+                srcs.append(src)
+            handles: List[CudaHostHandle] = []
+            ready: Optional[_Ready] = None
+            for src in srcs:
+                nbytes = src.numel() * src.element_size()
+                if nbytes == 0:
+                    handles.append(self._new_handle(0, src, _Slot(None, 0)))
+                    continue
+                ptr, capacity = self.pool.acquire(nbytes)
+                slot = _Slot(ptr, capacity)
+                slot.fence = self.pool.take_fence(ptr)
+                if ready is None:
+                    try:
+                        ev = self._events.acquire()
+                        # the activations are finished when the work queued so far on the compute stream is
+                        self._cuda("cudaEventRecord", ev, self._compute_stream())
+                    except BaseException:
+                        self.pool.give_back(ptr, slot.fence)
+                        raise
+                    ready = _Ready(ev)
+                ready.refs += 1
+                handles.append(self._new_handle(nbytes, src, slot))
+                slot.queued = _Queued(slot, src, nbytes, ready)
+                self._queue.append(slot.queued)
+                self.stats["offloads"] += 1
+            del srcs
             self._pump()
-            return handle
+            return handles
 
     def prefetch(self, handle: CudaHostHandle) -> None:
+        self.prefetch_many((handle,))
+
+    def prefetch_many(self, handles: Sequence[CudaHostHandle]) -> None:
+        """Prefetch several handles (a stage's): the H2D stream waits for the compute stream once
+        for all of them (no compute work is queued between their copies)."""
         with self._lock:
             self._service()
-            slot = self._live(handle)
-            if slot.device is not None or (slot.fetched is not None and slot.fetched() is not None):
-                return  # already on its way, or the fetched tensor is still alive
-            self._prefetch(handle, slot)
+            ordered = False  # the H2D stream waits for the compute stream's work so far
+            for handle in handles:
+                slot = self._live(handle)
+                if slot.device is not None or (slot.fetched is not None and slot.fetched() is not None):
+                    continue  # already on its way, or the fetched tensor is still alive
+                ordered = self._prefetch(handle, slot, ordered)
 
     def fetch(self, handle: CudaHostHandle) -> torch.Tensor:
         with self._lock:
@@ -837,7 +877,10 @@ class CudaBackend(Backend):
         try:
             if slot.fence is not None:  # an H2D copy may still read the buffer
                 self._cuda("cudaStreamWaitEvent", self._d2h, slot.fence, 0)
-            self._cuda("cudaStreamWaitEvent", self._d2h, item.ready, 0)
+            ready = item.ready
+            if ready is not self._d2h_after:  # the D2H stream is FIFO: one wait per batch in a row
+                self._cuda("cudaStreamWaitEvent", self._d2h, ready.event, 0)
+                self._d2h_after = ready
             self._cuda("cudaMemcpyAsync", slot.ptr, src.data_ptr(), item.nbytes,
                        rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._d2h)
             done = self._events.acquire()
@@ -846,7 +889,7 @@ class CudaBackend(Backend):
             # the handle is dead for fetches; the buffer may be the target of a queued copy,
             # which FIFO reuse on the D2H stream keeps safe
             slot.error = exc
-            self._events.give_back(item.ready)
+            self._ready_done(item.ready)
             if slot.ptr is not None:
                 self.pool.give_back(slot.ptr, slot.fence)
                 slot.ptr = None
@@ -855,7 +898,7 @@ class CudaBackend(Backend):
         if slot.fence is not None:
             self._events.give_back(slot.fence)  # the wait captured it
             slot.fence = None
-        self._events.give_back(item.ready)
+        self._ready_done(item.ready)
         self._pending.append((done, src, item.nbytes, slot))  # src (a view of the caller's storage) stays alive
         self._pending_bytes += item.nbytes
         slot.offload_event = done
@@ -868,9 +911,18 @@ class CudaBackend(Backend):
         assert item is not None
         self._queue.remove(item)
         slot.queued = None
-        self._events.give_back(item.ready)  # recorded on the compute stream, nobody waits for it
+        self._ready_done(item.ready)  # recorded on the compute stream, nobody waits for it
         src, item.src = item.src, None
         return src
+
+    def _ready_done(self, ready: _Ready) -> None:
+        """One offload of ``ready``'s batch was issued or cancelled: the event goes back to the
+        pool with the batch's last (a wait captures the event's state at the call)."""
+        ready.refs -= 1
+        if ready.refs == 0:
+            self._events.give_back(ready.event)
+            if self._d2h_after is ready:
+                self._d2h_after = None  # the pooled event may be recorded again for another batch
 
     def _pending_source(self, slot: _Slot) -> Optional[torch.Tensor]:
         """The device bytes of `slot`'s offload while its copy has not completed and no swap
@@ -883,7 +935,10 @@ class CudaBackend(Backend):
                 return src
         return None
 
-    def _prefetch(self, handle: CudaHostHandle, slot: _Slot) -> None:
+    def _prefetch(self, handle: CudaHostHandle, slot: _Slot, ordered: bool = False) -> bool:
+        """Start bringing ``handle`` back. ``ordered``: the H2D stream already waits for the
+        compute stream's work so far (an earlier prefetch of the same batch). Returns whether it
+        does now."""
         if slot.queued is not None:
             # never issued: the copy is cancelled and the device bytes used as they are (the
             # cost model cancels a swap-out that is still queued when its tensor is needed)
@@ -891,7 +946,7 @@ class CudaBackend(Backend):
             self.stats["cancelled_offloads"] += 1
             self.stats["cancelled_bytes"] += handle.nbytes
             self.stats["prefetches"] += 1
-            return
+            return ordered
         src = self._pending_source(slot)
         if src is not None:
             # the offload is being copied, so its source is still on the device: hand those
@@ -899,14 +954,16 @@ class CudaBackend(Backend):
             slot.device = src
             self.stats["kept_sources"] += 1
             self.stats["prefetches"] += 1
-            return
+            return ordered
         stream = self._compute_stream()
         tensor = self._torch.empty_strided(handle.shape, handle.stride, handle.dtype)
         slot.alloc_stream = stream
         if handle.nbytes:
             # The caching allocator may hand back a block freed by compute work still queued on
             # this stream: the copy must not overwrite it before that work has run.
-            self._copy_waits_for(self._h2d, stream)
+            if not ordered:
+                self._copy_waits_for(self._h2d, stream)
+                ordered = True
             if slot.offload_event is not None:
                 # a swap deadline dropped the source before the D2H copy was seen complete: the
                 # H2D copy (another stream) must not read the buffer before that copy wrote it
@@ -921,6 +978,7 @@ class CudaBackend(Backend):
             self.stats["h2d_bytes"] += handle.nbytes
         slot.device = tensor
         self.stats["prefetches"] += 1
+        return ordered
 
     def _reclaim(self, slot: _Slot) -> None:
         """Give back what a released (or dropped) handle owned."""

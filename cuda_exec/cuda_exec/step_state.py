@@ -135,16 +135,23 @@ class _Entry:
     def prefetch(self, state: Optional["_StepState"] = None) -> None:
         if state is None:
             state = self.state
+        host = self._to_prefetch(state)
+        if host is not None:
+            state.backend.prefetch(host)
+
+    def _to_prefetch(self, state: "_StepState") -> Any:
+        """The host handle to prefetch now (marked prefetched), or None: nothing to copy back."""
         if self.host is _QUEUED_LATER:
             if self.source is None or self.kept:
-                return  # never copied out: nothing to copy back
+                return None  # never copied out: nothing to copy back
             self._queue(state)
         if self.in_place:
-            return  # used from the device: nothing to copy back
+            return None  # used from the device: nothing to copy back
         if self.host is not None and self.fetched is None and not self.prefetched:
             self.prefetched = True
-            state.backend.prefetch(self.host)
             state.stats.prefetches += 1
+            return self.host
+        return None
 
     def storage(self) -> torch.UntypedStorage:
         if self.fetched is None:
@@ -332,6 +339,9 @@ class _StepState:
         #: swapped units whose swap-out the plan lets run but uses in place (cancelled in flight)
         self.in_flight: FrozenSet[int] = getattr(ex, "in_flight_swaps", frozenset())
         self._poll = getattr(self.backend, "poll", None)
+        #: backends that take a stage's copies at once (CudaBackend: one event for the batch)
+        self._offload_many = None if self.groups_copies else getattr(self.backend, "offload_many", None)
+        self._prefetch_many = getattr(self.backend, "prefetch_many", None)
         self.fired: Set[int] = set()
         self.dead = False
         self.backward_running = False
@@ -448,9 +458,17 @@ class _StepState:
         swap deadlines), so the executor's memory follows the model's."""
         if self.unqueued:
             entries, self.unqueued = self.unqueued, []
-            for e in entries:
-                if e.host is _QUEUED_LATER and e.source is not None:
-                    e._queue(self)
+            many = self._offload_many
+            if many is None or len(entries) == 1:
+                for e in entries:
+                    if e.host is _QUEUED_LATER and e.source is not None:
+                        e._queue(self)
+            else:  # the stage's copies at once
+                todo = [e for e in entries if e.host is _QUEUED_LATER and e.source is not None]
+                for e, host in zip(todo, many([e.source for e in todo])):
+                    e.host = host
+                    if not e.in_place:
+                        e.source = None
         poll = self._poll
         if poll is not None:
             poll()
@@ -508,9 +526,20 @@ class _StepState:
         if units:
             self.stats.prefetch_stages.append(stage)
             by_unit = self.by_unit
+            many = self._prefetch_many
+            if many is None:
+                for u in units:
+                    for e in by_unit.get(u, ()):
+                        e.prefetch(self)
+                return
+            hosts = []  # the stage's copies back at once
             for u in units:
                 for e in by_unit.get(u, ()):
-                    e.prefetch(self)
+                    host = e._to_prefetch(self)
+                    if host is not None:
+                        hosts.append(host)
+            if hosts:
+                many(hosts)
 
 
 def _unpack_handle(packed: Any) -> torch.Tensor:
