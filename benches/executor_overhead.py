@@ -21,7 +21,10 @@ forward times, times the measured forward); for all-retain, per unit. ``--json F
 figures. Run: ``nice python benches/executor_overhead.py [--rounds 15]``.
 
 ``--device cuda`` runs the stack on the GPU with the CUDA backend (each step ends with a device
-synchronize). ``--backend cuda-null`` runs the CUDA backend on the CPU over a runtime whose calls
+synchronize). ``--breakdown`` then times further steps of each plan with timers around the
+executor's and the backend's entry points (``BREAKDOWN``; inclusive: a unit's start hook contains
+its stage boundary, which contains the backend's offloads) and prints microseconds per moved unit
+for each. ``--backend cuda-null`` runs the CUDA backend on the CPU over a runtime whose calls
 do nothing but copy the bytes (``NullRuntime``): the backend's own host work, with no GPU, and the
 runtime calls it makes per swapped storage (each a driver call on a GPU).
 """
@@ -126,6 +129,53 @@ class NullTorch:
         return contextlib.nullcontext()
 
 
+#: (label, module, class, method) timed by --breakdown: the steady step's hooks, its stage work,
+#: the replays, and the backend's calls (any the backend has)
+BREAKDOWN = [
+    ("unit start hook", "cuda_exec.steady", "_SteadyStep", "call_start"),
+    ("unit end hook", "cuda_exec.steady", "_SteadyStep", "call_end"),
+    ("pack", "cuda_exec.steady", "_SteadyStep", "pack"),
+    ("stage boundary", "cuda_exec.step_state", "_StepState", "stage_boundary"),
+    ("prefetch stage", "cuda_exec.step_state", "_StepState", "issue_prefetches"),
+    ("swap entry free", "cuda_exec.step_state", "_Entry", "free"),
+    ("segment replay", "cuda_exec.segment_frame", "SegmentFrame", "replay"),
+] + [(f"backend.{name}", None, None, name) for name in
+     ("offload", "offload_many", "prefetch", "prefetch_many", "fetch", "release", "poll", "release_offload")]
+
+
+def breakdown(backend: Any, run_steps: Any) -> Dict[str, float]:
+    """Seconds spent inside each of BREAKDOWN's functions while ``run_steps()`` runs (patched
+    only meanwhile)."""
+    import importlib
+
+    spent: Dict[str, float] = collections.defaultdict(float)
+    patched = []
+    for label, module, cls, name in BREAKDOWN:
+        owner = getattr(importlib.import_module(module), cls) if module else backend
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+
+        def timed(*args: Any, _fn: Any = fn, _label: str = label, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - t0
+
+        patched.append((owner, name, owner.__dict__.get(name) if module else None))
+        setattr(owner, name, timed)
+    try:
+        run_steps()
+    finally:
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)  # the instance attribute over the backend's method
+            else:
+                setattr(owner, name, original)
+    return dict(spent)
+
+
 def build(blocks: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
                            for _ in range(blocks)], nn.Linear(width, width))
@@ -142,6 +192,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the stack and its executor on the GPU "
                     "(CudaBackend); each step ends with a device synchronize")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+                    help="then time STEPS more steps of each plan with timers around the executor's parts")
     ap.add_argument("--backend", default="default", choices=["default", "cuda-null"],
                     help="cuda-null: the CUDA backend on a runtime that only copies bytes (CPU)")
     ap.add_argument("--host-malloc", default="keep", choices=HOST_MALLOC_MODES,
@@ -246,6 +298,15 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
             per_offload = row["runtime_calls_per_offload"]
             print(f"  {'':18s} runtime calls per swapped storage {sum(per_offload.values()):.1f}: "
                   + ", ".join(f"{k.removeprefix('cuda')} {v:.2f}" for k, v in per_offload.items()))
+    if a.breakdown:
+        print(f"  where the time goes (--breakdown: {a.breakdown} steps each, inclusive, us per moved unit; "
+              "all-retain: per unit):")
+        for row in rows:
+            m = modes[row["plan"]]
+            spent = breakdown(backend, lambda: [step(m) for _ in range(a.breakdown)])
+            per = 1e6 / a.breakdown / (row["moved_units"] or n)  # all-retain: per unit
+            row["breakdown_us_per_moved_unit"] = {k: v * per for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+            print(f"  {row['plan']:18s} " + ", ".join(f"{k} {v:.1f}" for k, v in row["breakdown_us_per_moved_unit"].items()))
     for m in modes.values():
         if m is not model:
             m.close()

@@ -58,7 +58,7 @@ run plans-resnet50 60 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --
 run reserved-resnet50 60 "$PYTHON" benches/gpu_plans.py --out "$OUT" "${R50[@]}" --reserved 5519MiB
 # 4. Issue 17: the executor's host work per moved unit on the GPU (the 193-unit tiny stack, the CUDA
 #    backend), and the tiny models' peers, host-bound on a GPU as on one CPU thread.
-run overhead-cuda 40 "$PYTHON" benches/executor_overhead.py --device "$DEVICE" --rounds 21 --json "$OUT/overhead-cuda.json"
+run overhead-cuda 40 "$PYTHON" benches/executor_overhead.py --device "$DEVICE" --rounds 21 --breakdown 10 --json "$OUT/overhead-cuda.json"
 step peers-tiny-gpt 45 peers --model gpt6s --batch 1 --seq 64 --device "$DEVICE" --repeats 9 --particles 100 --iterations 50 \
     --time-limit 20
 # 5. The GPT's peers table.

@@ -773,7 +773,7 @@ def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_pat
     root = Path(__file__).resolve().parents[1]
     main = runpy.run_path(str(root / "benches" / "executor_overhead.py"), run_name="checked")["main"]
     out = main(["--blocks", "3", "--rounds", "2", "--plans", "swap-all", "--backend", "cuda-null",
-                "--json", str(tmp_path / "o.json")])
+                "--breakdown", "2", "--json", str(tmp_path / "o.json")])
     assert out["backend"] == "cuda-null" and json.loads((tmp_path / "o.json").read_text())["rows"]
     (row,) = out["rows"]
     assert row["plan"] == "swap-all" and row["moved_units"] == out["units"] == 10
@@ -781,3 +781,9 @@ def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_pat
     assert 1.0 <= calls["cudaMemcpyAsync"] <= 2.0, calls
     assert calls["cudaEventRecord"] >= calls["cudaMemcpyAsync"], calls
     assert not any(k.endswith("Synchronize") for k in calls), calls  # the step never blocks the host
+    # --breakdown: time inside the executor's parts and the backend's calls, patched back afterwards
+    spent = row["breakdown_us_per_moved_unit"]
+    assert {"pack", "stage boundary", "backend.offload_many", "backend.prefetch_many", "backend.fetch"} <= set(spent)
+    assert all(v > 0 for v in spent.values()), spent
+    from cuda_exec import steady
+    assert steady._SteadyStep.pack.__name__ == "pack"
