@@ -143,9 +143,9 @@ BREAKDOWN = [
      ("offload", "offload_many", "prefetch", "prefetch_many", "fetch", "release", "poll", "release_offload")]
 
 
-def breakdown(backend: Any, run_steps: Any) -> Dict[str, float]:
-    """Seconds spent inside each of BREAKDOWN's functions while ``run_steps()`` runs (patched
-    only meanwhile)."""
+def breakdown(backend: Any, run_step: Any, steps: int) -> Dict[str, float]:
+    """Seconds spent inside each of BREAKDOWN's functions over ``steps`` calls of ``run_step()``
+    (patched only meanwhile; one untimed step first, as the interpreter adapts to the patch)."""
     import importlib
 
     spent: Dict[str, float] = collections.defaultdict(float)
@@ -166,7 +166,10 @@ def breakdown(backend: Any, run_steps: Any) -> Dict[str, float]:
         patched.append((owner, name, owner.__dict__.get(name) if module else None))
         setattr(owner, name, timed)
     try:
-        run_steps()
+        run_step()
+        spent.clear()
+        for _ in range(steps):
+            run_step()
     finally:
         for owner, name, original in reversed(patched):
             if original is None:
@@ -303,7 +306,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
               "all-retain: per unit):")
         for row in rows:
             m = modes[row["plan"]]
-            spent = breakdown(backend, lambda: [step(m) for _ in range(a.breakdown)])
+            spent = breakdown(backend, lambda: step(m), a.breakdown)
             per = 1e6 / a.breakdown / (row["moved_units"] or n)  # all-retain: per unit
             row["breakdown_us_per_moved_unit"] = {k: v * per for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
             print(f"  {row['plan']:18s} " + ", ".join(f"{k} {v:.1f}" for k, v in row["breakdown_us_per_moved_unit"].items()))
