@@ -121,16 +121,20 @@ class _Entry:
 
     def _queue(self, state: "_StepState") -> None:
         # the caller checked that the copy is not queued yet
-        source = self.source
-        if not self.in_place:
-            self.source = None
         if state.groups_copies:  # the unit's storages leave together
             group = state.copy_groups.get(self.unit)
             if group is None:
                 group = state.copy_groups[self.unit] = state.backend.new_copy_group()
-            self.host = state.backend.offload(source, group)
+            self.queued_as(state.backend.offload(self.source, group))
         else:
-            self.host = state.backend.offload(source)
+            self.queued_as(state.backend.offload(self.source))
+
+    def queued_as(self, host: Any) -> None:
+        """Its copy is queued as ``host``: the entry lets the device bytes go (unless it uses
+        them in place), the backend holds them until the copy has run."""
+        self.host = host
+        if not self.in_place:
+            self.source = None
 
     def prefetch(self, state: Optional["_StepState"] = None) -> None:
         if state is None:
@@ -466,9 +470,7 @@ class _StepState:
             else:  # the stage's copies at once
                 todo = [e for e in entries if e.host is _QUEUED_LATER and e.source is not None]
                 for e, host in zip(todo, many([e.source for e in todo])):
-                    e.host = host
-                    if not e.in_place:
-                        e.source = None
+                    e.queued_as(host)
         poll = self._poll
         if poll is not None:
             poll()
