@@ -477,6 +477,10 @@ class CudaBackend(Backend):
                 dev = torch.device("cuda", torch.cuda.current_device())
             _torch = _TorchCuda(dev)
         self._torch = _torch
+        current = getattr(_torch, "current_handle", None)
+        #: the current compute stream's raw handle, looked up at every call (an adapter without
+        #: ``current_handle`` answers through its stream object)
+        self._current_handle = current if current is not None else (lambda: int(_torch.current_stream().cuda_stream))
         self.device: torch.device = _torch.device
         self.d2h_window = int(d2h_window)
         self.d2h_window_bytes = int(d2h_window_bytes)
@@ -832,8 +836,7 @@ class CudaBackend(Backend):
         default stream 0, which means the legacy default stream (torch is not built for
         per-thread default streams); it is passed to cuda-python as cudaStreamLegacy so that it
         means the same whatever default-stream mode cuda-python's runtime is in."""
-        current = getattr(self._torch, "current_handle", None)
-        handle = current() if current is not None else int(self._torch.current_stream().cuda_stream)
+        handle = self._current_handle()
         return handle if handle else self._legacy_stream
 
     def _copy_waits_for(self, copy_stream: Any, compute_stream: int) -> None:
