@@ -36,9 +36,11 @@ class CpuHostHandle:
         "__weakref__",
     )
 
-    def __init__(self, nbytes: int, buf: np.ndarray, source: Optional[torch.Tensor], threaded: bool = True) -> None:
+    def __init__(self, nbytes: int, buf: torch.Tensor, source: Optional[torch.Tensor], threaded: bool = True) -> None:
         self.nbytes = nbytes
-        self.buf: Optional[np.ndarray] = buf
+        #: the host bytes: a uint8 tensor over numpy (or mmap) memory, which torch's allocator
+        #: does not count (made once per pooled buffer, so that a copy is one ``copy_``)
+        self.buf: Optional[torch.Tensor] = buf
         #: the device bytes, kept alive until the offload copy has run (or was cancelled)
         self.source: Optional[torch.Tensor] = source
         self.device_tensor: Optional[torch.Tensor] = None
@@ -124,7 +126,7 @@ class CpuBackend:
         self.host = host
         self.mmap_dir = mmap_dir
         self._lock = threading.Lock()
-        self._pool: Dict[int, List[np.ndarray]] = defaultdict(list)
+        self._pool: Dict[int, List[torch.Tensor]] = defaultdict(list)
         self._live: Dict[int, CpuHostHandle] = {}
         self._queue: "queue.Queue[Optional[Tuple[str, CpuHostHandle]]]" = queue.Queue()
         self._closed = False
@@ -142,20 +144,21 @@ class CpuBackend:
 
     # ------------------------------------------------------------------ host buffers
 
-    def _new_buffer(self, nbytes: int) -> np.ndarray:
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        # torch.from_numpy: the tensor keeps the numpy memory alive, torch's allocator never sees it
         if self.host == "numpy":
             buf = np.empty(nbytes, dtype=np.uint8)
             with self._lock:
                 self._heap_bytes += nbytes
-            return buf
+            return torch.from_numpy(buf)
         f = tempfile.TemporaryFile(dir=self.mmap_dir)
         try:
             f.truncate(nbytes)
-            return np.memmap(f, dtype=np.uint8, mode="r+", shape=(nbytes,))
+            return torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="r+", shape=(nbytes,)))
         finally:
             f.close()  # the mapping keeps the (already unlinked) file alive
 
-    def _take_buffer(self, nbytes: int) -> np.ndarray:
+    def _take_buffer(self, nbytes: int) -> torch.Tensor:
         with self._lock:
             free = self._pool.get(nbytes)
             if free:
@@ -196,7 +199,7 @@ class CpuBackend:
                 free = self._pool.get(n)
                 buf = free.pop() if free else None
             h = CpuHostHandle(n, buf if buf is not None else self._new_buffer(n), None, threaded=False)
-            np.copyto(h.buf, tensor.numpy())  # the copy completes here: the caller's bytes are free to go
+            h.buf.copy_(tensor)  # the copy completes here: the caller's bytes are free to go
             with self._lock:
                 self._live[id(h)] = h
             # the caller's thread alone counts offloads and prefetches (the copy thread counts
@@ -306,7 +309,7 @@ class CpuBackend:
         c["prefetches"] += 1
         c["prefetch_bytes"] += h.nbytes
         if h.offload_done is _ALWAYS:  # a handle whose copies run here
-            np.copyto(h.device_tensor.numpy(), h.buf)
+            h.device_tensor.copy_(h.buf)
             return
         with self._lock:
             h.pending += 1
@@ -506,7 +509,7 @@ class CpuBackend:
                             h.copy_idle.clear()
                     if not h.cancelled and h.buf is not None and src is not None:
                         t0 = time.perf_counter()
-                        np.copyto(h.buf, src.numpy())
+                        np.copyto(h.buf.numpy(), src.numpy())  # numpy's copy: one thread, GIL released
                         src = None  # never the last reference: fetch() and release() wait for this
                         h.copy_idle.set()
                         self._throttle(h.nbytes, t0)
@@ -523,7 +526,7 @@ class CpuBackend:
                             h.copy_idle.clear()
                     if not h.released and not h.cancelled and h.buf is not None and dt is not None:
                         t0 = time.perf_counter()
-                        np.copyto(dt.numpy(), h.buf)
+                        np.copyto(dt.numpy(), h.buf.numpy())
                         self._throttle(h.nbytes, t0)
                     dt = None  # before fetch() can hand the tensor out and its reader drop it
                     h.copy_idle.set()
