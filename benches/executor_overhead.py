@@ -7,7 +7,12 @@ planner makes the plans below from that profile (with their prefetch schedules a
 deadlines); one training step (forward, sum loss, backward, grads set to None) of each is timed,
 interleaved in one process, after warm-up steps (the executor's learning step among them):
 
-* ``unplanned``: the model itself; ``forward``: its forward alone (grad on, no backward);
+* ``unplanned``: a copy of the model made before any executor hooked it (the executors' module
+  hooks stay on the model between their steps, so timing the model itself would charge them to
+  the baseline); ``forward``: that copy's forward alone (grad on, no backward);
+* ``hooks only``: that copy under saved-tensor hooks that return what they get and a no-op
+  forward pre-hook on every unit: what an executor built on these hooks pays before it does
+  anything (printed per unit, a reference, not a plan);
 * ``retain``: the all-retain plan (nothing moves);
 * ``swap-all``: every unit swapped to the CPU backend's host tier;
 * ``recompute-all``: every unit recomputed, in the profile's default checkpoint segments (one
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import ctypes
 import itertools
 import json
@@ -179,6 +185,30 @@ def breakdown(backend: Any, run_step: Any, steps: int) -> Dict[str, float]:
     return dict(spent)
 
 
+class _HooksOnly(nn.Module):
+    """A copy of ``model`` with a no-op forward pre-hook on every leaf module, whose forward runs
+    under saved-tensor hooks that return what they get: the hooks' own cost (module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = copy.deepcopy(model)
+        for m in self.model.modules():
+            if not list(m.children()):
+                m.register_forward_pre_hook(_no_hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            return self.model(x)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _no_hook(module: nn.Module, args: Any) -> None:
+    return None
+
+
 def build(blocks: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
                            for _ in range(blocks)], nn.Linear(width, width))
@@ -212,6 +242,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     torch.manual_seed(0)
     device = torch.device(a.device)
     model = build(a.blocks, a.width).to(device)
+    plain = copy.deepcopy(model)  # before any executor hooks the model (module docstring)
     x = torch.randn(a.batch, a.width, device=device)
     loss_fn = lambda out: out.sum()  # noqa: E731
     null_rt = None
@@ -229,7 +260,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     units = probe.to_dict()["profile"]["units"]
     n = len(units)
     fwd_share = {}
-    modes: Dict[str, Any] = {"unplanned": model}
+    modes: Dict[str, Any] = {"unplanned": plain, "hooks only": _HooksOnly(plain)}
     plans: Dict[str, Any] = {}
     for method in a.plans.split(","):
         plan = probe.replan(2**50, method=method)
@@ -244,19 +275,22 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         loss_fn(m(x)).backward()
         sync()
         t1 = time.perf_counter()
-        for p in model.parameters():
+        for p in grads[id(m)]:
             p.grad = None
         return t1 - t0
 
     def forward() -> float:
         sync()
         t0 = time.perf_counter()
-        out = model(x)
+        out = plain(x)
         sync()
         t1 = time.perf_counter()
         del out
         return t1 - t0
 
+    #: per mode, the parameters whose gradients a step sets to None after it
+    grads = {id(m): list((m if m is plain or isinstance(m, _HooksOnly) else model).parameters())
+             for m in modes.values()}
     times: Dict[str, List[float]] = {k: [] for k in modes}
     times["forward"] = []
     #: per plan: runtime calls and offloads over the timed steps (--backend cuda-null)
@@ -280,7 +314,9 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     print(f"{n} units ({a.blocks} blocks of Linear/LayerNorm/GELU + Linear), width {a.width}, batch {a.batch}, "
           f"{a.rounds} interleaved rounds, torch threads {a.threads}, {torch.__version__}, host malloc {malloc}, "
           f"device {device}, backend {backend.name}{' (null runtime)' if null_rt is not None else ''}")
-    print(f"  unplanned step {base * 1e3:8.3f} ms, forward alone {med['forward'] * 1e3:8.3f} ms")
+    print(f"  unplanned step {base * 1e3:8.3f} ms, forward alone {med['forward'] * 1e3:8.3f} ms; hooks only "
+          f"{(med['hooks only'] - base) / n * 1e6:.1f} us per unit (saved-tensor hooks and a pre-hook per unit that "
+          "do nothing)")
     for method, plan in plans.items():
         moved = sum(act != "retain" for act in plan.actions)
         recompute = med["forward"] * fwd_share[method]
@@ -311,10 +347,10 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
             row["breakdown_us_per_moved_unit"] = {k: v * per for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
             print(f"  {row['plan']:18s} " + ", ".join(f"{k} {v:.1f}" for k, v in row["breakdown_us_per_moved_unit"].items()))
     for m in modes.values():
-        if m is not model:
+        if m is not plain and not isinstance(m, _HooksOnly):
             m.close()
     backend.close()
-    out = {"units": n, "blocks": a.blocks, "width": a.width, "batch": a.batch, "threads": a.threads,
+    out = {"hooks_only_us_per_unit": (med["hooks only"] - base) / n * 1e6, "units": n, "blocks": a.blocks, "width": a.width, "batch": a.batch, "threads": a.threads,
            "rounds": a.rounds, "device": str(device), "backend": a.backend, "torch": torch.__version__, "host_malloc": malloc, "unplanned_step_s": base, "forward_s": med["forward"],
            "unplanned_times": times["unplanned"], "rows": rows}
     if a.json:

@@ -544,6 +544,45 @@ def test_prefetch_fires_in_stage_order_on_a_dag() -> None:
     assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
 
 
+def test_chained_units_prefetch_from_the_next_units_hook() -> None:
+    """A unit whose output is, as it is, the next unit's argument (a Sequential) needs no forward
+    hook of its own: the next unit's pre-hook hooks that tensor for the backward. The stages still
+    fire in order and every swapped storage is prefetched by them; a unit whose output goes
+    through glue first keeps its forward hook."""
+
+    class Glued(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.b(self.a(x)) * 2)  # glue between b and c
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), Glued())
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    recs = records(model, x)
+    acts = ["swap"] * len(recs)
+    plan = {"format": "tensorplace.plan", "version": 1, "units": [r.name for r in recs], "actions": acts,
+            "prefetch": schedule(recs, acts, 1)}
+    ref = copy.deepcopy(model)
+    planned = PlannedModule(copy.deepcopy(model), plan, backend=CpuBackend())
+    for _ in range(3):
+        loss_fn(ref(x), y).backward()
+        loss_fn(planned(x), y).backward()
+        stats = planned.last_stats
+        assert stats.unscheduled_fetches == 0 and stats.prefetches == stats.swap_storages > 0
+        assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
+    for p, q in zip(ref.parameters(), planned.model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    program = planned.executor._program
+    names = [r.name for r in recs]
+    post = {names[u] for u in program.post_units}
+    # 0-3 and 4.a feed the next unit as they are; 4.b's output goes through glue; 4.c is the last
+    assert post == {"4.b", "4.c"}, post
+    planned.close()
+
+
 def test_slow_copies_use_the_still_alive_device_tensor() -> None:
     # 0.1 MB/s (2 s for the step's 0.2 MB): offloads are still queued when the backward needs
     # them, also on a busy machine (at 0.5 MB/s a learning step's forward under a load average

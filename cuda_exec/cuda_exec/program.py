@@ -130,6 +130,9 @@ class Program:
     entry_args: Dict[int, List[Tuple[int, int, int]]] = field(default_factory=dict)
     #: packs whose storage version a later pack saves again (its swap entry is shared, checked)
     shared: FrozenSet[int] = frozenset()
+    #: prefetch-stage units whose outputs a forward hook of their module hooks for the backward;
+    #: the others' outputs are the next unit's arguments, which its pre-hook hooks (chained)
+    post_units: FrozenSet[int] = frozenset()
 
     @property
     def swaps(self) -> int:
@@ -416,10 +419,27 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
         events.append(ev)
     pre: Dict[int, nn.Module] = {id(e.module): e.module for e in events}
     post: Dict[int, nn.Module] = {}
+    hooked_out = frozenset(u for u in post_units if not _chained(table, u, starts))
     for u in range(n):
-        if u in post_units or tracked[u]:
+        if u in hooked_out or tracked[u]:
             m = table.calls[table.unit_call[u]].module
             post[id(m)] = m
     shared = frozenset(f for k, f in enumerate(table.first) if f != k)
     return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
-                   entry_args, shared)
+                   entry_args, shared, hooked_out)
+
+
+def _chained(table: _Table, u: int, starts: Dict[int, Event]) -> bool:
+    """Unit ``u``'s outputs are, as they are (the same tensors), arguments of unit ``u + 1``'s
+    call, whose pre-hook does stage work: that hook can hook them for the backward, and ``u``'s
+    module needs no forward hook of its own (a Sequential of units: one hook per unit, not two)."""
+    if u + 1 >= len(table.unit_call):
+        return False
+    nxt = table.unit_call[u + 1]
+    ev = starts.get(nxt)
+    if ev is None or not ev.boundary:
+        return False
+    out, arg = table.calls[table.unit_call[u]], table.calls[nxt]
+    args = {(i, id(v), m) for i, v, m in zip(arg.arg_ids, arg.arg_values, arg.arg_views) if i is not None and v is not None}
+    outs = [(i, v, m) for i, v, m in zip(out.out_ids, out.out_values, out.out_views) if i is not None]
+    return bool(outs) and all(v is not None and (i, id(v), m) in args for i, v, m in outs)

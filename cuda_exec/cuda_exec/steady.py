@@ -291,7 +291,7 @@ class _SteadyStep:
         st = self.state
         if st.by_unit or st.swapper is not None:
             st.stage_boundary(f"fwd:{u}")
-        if u in st.prefetch_at:
+        if u in self.p.post_units:
             self.post = (u, module)
         s = u - 1
         if s in st.prefetch_at:

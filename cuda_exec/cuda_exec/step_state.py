@@ -81,7 +81,7 @@ class _Entry:
                  "ref", "version", "source", "kept", "in_place")
 
     def __init__(self, state: "_StepState", unit: int, value: Any, t: torch.Tensor, indexed: bool = True) -> None:
-        self._state = weakref.ref(state)  # the state holds its entries: no cycle (see _StepState)
+        self._state = state.ref  # the state holds its entries: no cycle (see _StepState)
         self.unit = unit
         self.value = value  #: the ValueRec (full path) or the pack index (lean path) it is keyed by
         st = t.untyped_storage()
@@ -157,14 +157,15 @@ class _Entry:
             return self.host
         return None
 
-    def storage(self) -> torch.UntypedStorage:
+    def storage(self, state: Optional["_StepState"] = None) -> torch.UntypedStorage:
         if self.fetched is None:
             if self.source is not None and (self.host is _QUEUED_LATER or self.in_place):
                 # needed before its copy was queued, or used in place: still here
                 return self.source.untyped_storage()
             if self.host is None:
                 raise StepAbortedError("a swapped tensor of an aborted step was needed")
-            state = self.state
+            if state is None:
+                state = self.state
             if not self.prefetched:
                 state.stats.unscheduled_fetches += 1
             t0 = time.perf_counter()
@@ -180,10 +181,11 @@ class _Entry:
         if self.refs <= 0:
             self.free()
 
-    def free(self) -> None:
+    def free(self, state: Optional["_StepState"] = None) -> None:
         self.fetched = None
         self.source = None
-        state = self.state
+        if state is None:
+            state = self.state
         if self.host is _QUEUED_LATER:
             self.host = None
         if self.host is not None:
@@ -244,22 +246,24 @@ class _SwapHandle(_Handle):
         entry.refs += 1
 
     def unpack(self) -> torch.Tensor:
-        if self.state.dead:
-            self.state.check_alive()
+        state = self.state
+        if state.dead:
+            state.check_alive()
         entry = self.entry
         fetched = entry.fetched
-        t = self.meta.view_of(entry.storage() if fetched is None else fetched.untyped_storage(), self.device)
+        t = self.meta.view_of(entry.storage(state) if fetched is None else fetched.untyped_storage(), self.device)
         if self.digest is not None:
             check(t, self.digest, self.what)
         return t
 
     def __del__(self) -> None:
         try:
-            if not self.state.dead:
+            state = self.state
+            if not state.dead:
                 entry = self.entry
                 entry.refs -= 1
                 if entry.refs <= 0:
-                    entry.free()
+                    entry.free(state)
         except Exception:  # pragma: no cover - never raise from __del__
             pass
 
@@ -310,6 +314,8 @@ class _StepState:
     counting when its graph goes: no cycle keeps its objects to a later garbage collection."""
 
     def __init__(self, ex: "Executor") -> None:
+        #: the weak reference its entries keep to it (one for all)
+        self.ref = weakref.ref(self)
         self.backend = ex.backend
         self.actions = ex.actions
         self.names: List[str] = []
@@ -343,6 +349,10 @@ class _StepState:
         #: swapped units whose swap-out the plan lets run but uses in place (cancelled in flight)
         self.in_flight: FrozenSet[int] = getattr(ex, "in_flight_swaps", frozenset())
         self._poll = getattr(self.backend, "poll", None)
+        # release_offload: the compute stream waits for the copy and the source is dropped (CUDA:
+        # a device-side wait, the host does not block; CPU: no streams, the host waits)
+        self._wait_offload = (getattr(self.backend, "release_offload", None)
+                              or getattr(self.backend, "wait_offload", None))
         #: backends that take a stage's copies at once (CudaBackend: one event for the batch)
         self._offload_many = None if self.groups_copies else getattr(self.backend, "offload_many", None)
         self._prefetch_many = getattr(self.backend, "prefetch_many", None)
@@ -485,9 +495,7 @@ class _StepState:
         if not units or label in self.kept:
             return
         self.kept.add(label)
-        # release_offload: the compute stream waits for the copy and the source is dropped (CUDA:
-        # a device-side wait, the host does not block; CPU: no streams, the host waits)
-        wait = getattr(self.backend, "release_offload", None) or getattr(self.backend, "wait_offload", None)
+        wait = self._wait_offload
         if wait is None:
             return
         t0 = time.perf_counter()

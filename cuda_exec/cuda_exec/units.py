@@ -384,7 +384,7 @@ class CallRecord:
 
     __slots__ = ("module", "parent", "enter", "exit", "pack_enter", "pack_exit", "units_enter", "units_exit",
                  "arg_values", "arg_tensor", "arg_versions", "arg_written", "arg_views", "simple", "out_values",
-                 "out_views", "buffers", "mutated_buffers", "unit")
+                 "out_views", "buffers", "mutated_buffers", "unit", "arg_ids", "out_ids")
 
     def __init__(self, module: nn.Module, parent: int, enter: int, pack: int, units: int,
                  arg_values: List[Optional["ValueRec"]]) -> None:
@@ -409,6 +409,10 @@ class CallRecord:
         self.arg_views: List[Optional[ViewMeta]] = []
         self.out_values: List[Optional["ValueRec"]] = []
         self.out_views: List[Optional[ViewMeta]] = []
+        #: id() of each tensor leaf of its arguments and of its output (None: not a tensor); only
+        #: compared between calls whose tensors are alive at once (program.py: chained units)
+        self.arg_ids: List[Optional[int]] = []
+        self.out_ids: List[Optional[int]] = []
         self.buffers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.mutated_buffers: List[torch.Tensor] = []
         self.unit = -1  #: the unit this call starts, -1 when it starts none
@@ -817,6 +821,7 @@ class UnitTracker:
             rec.arg_tensor = [isinstance(x, torch.Tensor) for x in leaves]
             rec.arg_versions = [x._version if isinstance(x, torch.Tensor) else 0 for x in leaves]
             rec.arg_views = [ViewMeta.of(x) if v is not None else None for x, v in zip(leaves, rec.arg_values)]
+            rec.arg_ids = [id(x) if isinstance(x, torch.Tensor) else None for x in leaves]
             rec.simple = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
             if module in self.unit_modules and self._depth == 0:
                 # a unit's call: which buffers it writes into (BatchNorm's running statistics are
@@ -853,6 +858,7 @@ class UnitTracker:
             outs = pytree.tree_leaves(output)
             rec.out_values = [self.value_of(x) if isinstance(x, torch.Tensor) else None for x in outs]
             rec.out_views = [ViewMeta.of(x) if v is not None else None for x, v in zip(outs, rec.out_values)]
+            rec.out_ids = [id(x) if isinstance(x, torch.Tensor) else None for x in outs]
             with torch.no_grad():
                 rec.mutated_buffers = [b for b, before in rec.buffers
                                        if b.shape != before.shape or not torch.equal(b, before)]
