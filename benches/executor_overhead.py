@@ -7,9 +7,9 @@ planner makes the plans below from that profile (with their prefetch schedules a
 deadlines); one training step (forward, sum loss, backward, grads set to None) of each is timed,
 interleaved in one process, after warm-up steps (the executor's learning step among them):
 
-* ``unplanned``: a copy of the model made before any executor hooked it (the executors' module
-  hooks stay on the model between their steps, so timing the model itself would charge them to
-  the baseline); ``forward``: that copy's forward alone (grad on, no backward);
+* ``unplanned``: the model, which no executor hooks (each plan below trains a copy of its own:
+  an executor's module hooks stay on its model between its steps); ``forward``: its forward
+  alone (grad on, no backward);
 * ``hooks only``: that copy under saved-tensor hooks that return what they get and a no-op
   forward pre-hook on every unit: what an executor built on these hooks pays before it does
   anything (printed per unit, a reference, not a plan);
@@ -41,6 +41,7 @@ import collections
 import contextlib
 import copy
 import ctypes
+import gc
 import itertools
 import json
 import statistics
@@ -242,7 +243,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     torch.manual_seed(0)
     device = torch.device(a.device)
     model = build(a.blocks, a.width).to(device)
-    plain = copy.deepcopy(model)  # before any executor hooks the model (module docstring)
+    plain = copy.deepcopy(model)  # never hooked (module docstring)
     x = torch.randn(a.batch, a.width, device=device)
     loss_fn = lambda out: out.sum()  # noqa: E731
     null_rt = None
@@ -265,7 +266,9 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     for method in a.plans.split(","):
         plan = probe.replan(2**50, method=method)
         plans[method] = plan
-        modes[method] = tp.run(model, plan, backend=backend)
+        # each plan trains its own copy: the executors' module hooks stay on their model between
+        # steps, and one plan's step must not run another's
+        modes[method] = tp.run(copy.deepcopy(plain), plan, backend=backend)
         recomputed = [u for u, act in zip(units, plan.actions) if act == "recompute"]
         fwd_share[method] = sum(u["fwd_time"] for u in recomputed) / max(sum(u["fwd_time"] for u in units), 1e-12)
 
@@ -289,25 +292,39 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         return t1 - t0
 
     #: per mode, the parameters whose gradients a step sets to None after it
-    grads = {id(m): list((m if m is plain or isinstance(m, _HooksOnly) else model).parameters())
-             for m in modes.values()}
+    grads = {id(m): list(m.parameters()) for m in modes.values()}
     times: Dict[str, List[float]] = {k: [] for k in modes}
+    #: per mode: seconds of CPython's cyclic garbage collector inside its timed steps (the objects
+    #: a planned step keeps from its forward to its backward make the collector run, and promote
+    #: them: now and then a full collection of every object of the process)
+    gc_s: Dict[str, float] = collections.defaultdict(float)
+    collecting = [0.0, 0.0]  # (started, seconds so far)
+
+    def on_gc(phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            collecting[1] += time.perf_counter() - collecting[0]
     times["forward"] = []
     #: per plan: runtime calls and offloads over the timed steps (--backend cuda-null)
     calls: Dict[str, collections.Counter] = {k: collections.Counter() for k in modes}
     for _ in range(3):  # warm-up: the executors' learning steps
         for m in modes.values():
             step(m)
+    gc.callbacks.append(on_gc)
     for r in range(a.rounds):
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
         for k, m in order:
+            spent_gc = collecting[1]
             if null_rt is not None:
                 before, offloads = collections.Counter(null_rt.calls), backend.stats["offloads"]
             times[k].append(step(m))
+            gc_s[k] += collecting[1] - spent_gc
             if null_rt is not None:
                 calls[k].update(null_rt.calls - before)
                 calls[k]["offloads"] += backend.stats["offloads"] - offloads
         times["forward"].append(forward())
+    gc.callbacks.remove(on_gc)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["unplanned"]
     rows = []
@@ -324,7 +341,8 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         per = over / (moved if moved else n)
         row = {"plan": method, "step_s": med[method], "moved_units": moved, "recompute_s": recompute,
                "cost_per_moved_unit_us": per * 1e6, "predicted_step_s": plan.predicted["step_time"],
-               "step_times": times[method]}
+               "step_times": times[method], "mean_step_s": statistics.fmean(times[method]),
+               "gc_s_per_step": gc_s[method] / a.rounds}
         if calls[method]["offloads"]:
             c = calls[method]
             offloads = c.pop("offloads")
@@ -333,6 +351,8 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         what = "per moved unit" if moved else "per unit (nothing moved)"
         print(f"  {method:18s} step {med[method] * 1e3:8.3f} ms  moved {moved:3d}  recompute {recompute * 1e3:7.3f} ms"
               f"  executor {per * 1e6:7.1f} us {what}  (predicted step {plan.predicted['step_time'] * 1e3:.3f} ms)")
+        print(f"  {'':18s} mean step {row['mean_step_s'] * 1e3:.3f} ms, of which the cyclic garbage collector "
+              f"{row['gc_s_per_step'] * 1e3:.3f} ms (unplanned {gc_s['unplanned'] / a.rounds * 1e3:.3f} ms)")
         if "runtime_calls_per_offload" in row:
             per_offload = row["runtime_calls_per_offload"]
             print(f"  {'':18s} runtime calls per swapped storage {sum(per_offload.values()):.1f}: "

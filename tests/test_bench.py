@@ -772,10 +772,16 @@ def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_pat
 
     root = Path(__file__).resolve().parents[1]
     main = runpy.run_path(str(root / "benches" / "executor_overhead.py"), run_name="checked")["main"]
+    import gc
+
+    callbacks = list(gc.callbacks)
     out = main(["--blocks", "3", "--rounds", "2", "--plans", "swap-all", "--backend", "cuda-null",
                 "--breakdown", "2", "--json", str(tmp_path / "o.json")])
     assert out["backend"] == "cuda-null" and json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert gc.callbacks == callbacks  # its collector timer is gone
+    assert "hooks_only_us_per_unit" in out
     (row,) = out["rows"]
+    assert row["gc_s_per_step"] >= 0 and row["mean_step_s"] > 0
     assert row["plan"] == "swap-all" and row["moved_units"] == out["units"] == 10
     calls = row["runtime_calls_per_offload"]
     assert 1.0 <= calls["cudaMemcpyAsync"] <= 2.0, calls

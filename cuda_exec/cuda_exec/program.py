@@ -133,6 +133,9 @@ class Program:
     #: prefetch-stage units whose outputs a forward hook of their module hooks for the backward;
     #: the others' outputs are the next unit's arguments, which its pre-hook hooks (chained)
     post_units: FrozenSet[int] = frozenset()
+    #: per pack: the view of the tensor it swapped in the steady steps so far (made at the first,
+    #: checked at every later one), so that a step makes no new ViewMeta for a swapped pack
+    metas: List[Optional[ViewMeta]] = field(default_factory=list)
 
     @property
     def swaps(self) -> int:
@@ -426,7 +429,7 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
             post[id(m)] = m
     shared = frozenset(f for k, f in enumerate(table.first) if f != k)
     return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
-                   entry_args, shared, hooked_out)
+                   entry_args, shared, hooked_out, [None] * len(acts))
 
 
 def _chained(table: _Table, u: int, starts: Dict[int, Event]) -> bool:

@@ -194,7 +194,7 @@ class _SteadyStep:
     run the tracker (:class:`_ScopedTracker`)."""
 
     __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "hooked", "tracker", "scoped", "frames",
-                 "acts", "hold", "verify")
+                 "acts", "hold", "verify", "metas")
 
     def __init__(self, ex: "Executor", state: _StepState, program: Program) -> None:
         self.ex = ex
@@ -213,6 +213,7 @@ class _SteadyStep:
         self.frames: List[Optional[SegmentFrame]] = [None] * len(program.segments)
         self.acts = program.acts
         self.hold = program.hold
+        self.metas = program.metas
         self.verify = state.verify
 
     # the forward pre-hook of every hooked module (installed once, see Executor._install)
@@ -299,13 +300,14 @@ class _SteadyStep:
             # arrive after stage u's backward (never before stage s starts); an input that is an
             # output of unit s is hooked already
             hs, outs = self.hooked
-            self._prefetch_hooks(s, args, outs if hs == s else ())
+            self._prefetch_hooks(s, args, outs if hs == s else (), keep=False)
         self.hooked = (-1, [])
 
-    def _prefetch_hooks(self, s: int, values: Any, hooked: Any = ()) -> List["weakref.ReferenceType[torch.Tensor]"]:
+    def _prefetch_hooks(self, s: int, values: Any, hooked: Any = (),
+                        keep: bool = True) -> List["weakref.ReferenceType[torch.Tensor]"]:
         """Issue stage ``s``'s prefetches when the gradient of any tensor of ``values`` arrives
         (except those in ``hooked``, weak references to tensors whose hooks do that already);
-        returns weak references to the tensors hooked."""
+        returns weak references to the tensors hooked (``keep``; else none)."""
         # a module's arguments or output: mostly a tensor or a tuple of tensors (pytree for the rest)
         if isinstance(values, torch.Tensor):
             leaves: Any = (values,)
@@ -333,7 +335,8 @@ class _SteadyStep:
                 # a pre-hook of the node that made ``a`` runs when ``a``'s gradient has arrived,
                 # as a hook of ``a`` itself would, without Tensor.register_hook's Python wrapper
                 a.grad_fn.register_prehook(fire)
-                out.append(weakref.ref(a))
+                if keep:
+                    out.append(weakref.ref(a))
         return out
 
     # the forward hook of the unit modules of prefetch stages and tracked units
@@ -420,10 +423,13 @@ class _SteadyStep:
                 frame = self.frames[s]
                 if frame is not None:
                     frame.bind_entry(i, leaf, entry)
+        meta = self.metas[k]
+        if meta is None or not meta.describes(t):
+            meta = self.metas[k] = ViewMeta.of(t)
         if st.verify:
-            return _SwapHandle(st, entry, ViewMeta.of(t), entry.device, checksum(t),
+            return _SwapHandle(st, entry, meta, entry.device, checksum(t),
                                f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})")
-        return _SwapHandle(st, entry, ViewMeta.of(t), entry.device, None, "")
+        return _SwapHandle(st, entry, meta, entry.device, None, "")
 
     def finish(self, out: Any) -> None:
         p = self.p

@@ -522,9 +522,9 @@ class _StepState:
         for rt in list(self.runtimes.values()):
             rt._maybe_release()
 
-    def prefetch_hook(self, stage: int) -> Any:
+    def prefetch_hook(self, stage: int) -> "_StageHook":
         """A gradient hook that issues stage ``stage``'s prefetches (aborting the step if that fails)."""
-        return self.guarded(lambda grad: self.issue_prefetches(stage))
+        return _StageHook(self, stage)
 
     def issue_prefetches(self, stage: int) -> None:
         self.enter_backward()
@@ -550,6 +550,24 @@ class _StepState:
                         hosts.append(host)
             if hosts:
                 many(hosts)
+
+
+class _StageHook:
+    """The hook that starts backward stage ``stage`` (its prefetches), aborting the step if that
+    fails: one object per hooked stage and step (what ``guarded`` makes of a lambda is five)."""
+
+    __slots__ = ("state", "stage")
+
+    def __init__(self, state: _StepState, stage: int) -> None:
+        self.state = state
+        self.stage = stage
+
+    def __call__(self, grad: Any) -> None:
+        try:
+            self.state.issue_prefetches(self.stage)
+        except BaseException:
+            self.state.abort()
+            raise
 
 
 def _unpack_handle(packed: Any) -> torch.Tensor:

@@ -234,6 +234,11 @@ class ViewMeta:
     def of(t: torch.Tensor) -> "ViewMeta":
         return ViewMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
+    def describes(self, t: torch.Tensor) -> bool:
+        """``t`` is this view (of some storage): what ``of(t)`` would make, without making it."""
+        return (t.dtype is self.dtype and t.storage_offset() == self.offset and t.shape == self.size
+                and t.stride() == self.stride)
+
     def view_of(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
         """A tensor with this metadata over ``storage``."""
         out = torch.empty(0, dtype=self.dtype, device=device)
