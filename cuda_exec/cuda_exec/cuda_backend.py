@@ -557,7 +557,8 @@ class CudaBackend(Backend):
                     raise TypeError(f"CudaBackend.offload supports strided tensors only, got {tensor.layout}")
                 if tensor.device != self.device:
                     raise ValueError(f"CudaBackend on {self.device} cannot offload a tensor on {tensor.device}")
-                src = tensor.detach()
+                # the executor's sources (a storage's bytes) have no autograd history to cut
+                src = tensor.detach() if tensor.requires_grad or tensor.grad_fn is not None else tensor
                 if src.is_conj():
                     src = src.resolve_conj()
                 if src.is_neg():
