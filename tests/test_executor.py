@@ -556,7 +556,8 @@ def test_chained_units_prefetch_from_the_next_units_hook() -> None:
             self.a, self.b, self.c = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.c(self.b(self.a(x)) * 2)  # glue between b and c
+            # a's output reaches b as a keyword argument; glue between b and c
+            return self.c(self.b(input=self.a(x)) * 2)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), Glued())

@@ -237,7 +237,7 @@ class _SteadyStep:
             elif ev.check and self.k != ev.pack:
                 raise self._pack_mismatch(ev.pack)
             if ev.boundary:
-                self._untracked(self.boundary, u, module, args)
+                self._untracked(self.boundary, u, module, args, kwargs)
             if ev.arm:
                 self.k = ev.pack
                 self.hooks.__enter__()
@@ -288,7 +288,7 @@ class _SteadyStep:
         if self.armed:
             self.disarm(None)
 
-    def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...]) -> None:
+    def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         st = self.state
         if st.by_unit or st.swapper is not None:
             st.stage_boundary(f"fwd:{u}")
@@ -296,11 +296,12 @@ class _SteadyStep:
             self.post = (u, module)
         s = u - 1
         if s in st.prefetch_at:
-            # a fallback if unit s's output had no gradient: the gradients of unit u's inputs
-            # arrive after stage u's backward (never before stage s starts); an input that is an
-            # output of unit s is hooked already
+            # unit s's outputs where they are unit u's arguments as they are (program._chained:
+            # unit s's module has no forward hook), else a fallback if unit s's output had no
+            # gradient: the gradients of unit u's inputs arrive after stage u's backward (never
+            # before stage s starts); an input that is an output of unit s is hooked already
             hs, outs = self.hooked
-            self._prefetch_hooks(s, args, outs if hs == s else (), keep=False)
+            self._prefetch_hooks(s, (args, kwargs) if kwargs else args, outs if hs == s else (), keep=False)
         self.hooked = (-1, [])
 
     def _prefetch_hooks(self, s: int, values: Any, hooked: Any = (),
