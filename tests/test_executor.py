@@ -3,6 +3,7 @@ measured with torch's own accounting, verify mode, robustness, and the CPU backe
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import gc
@@ -581,6 +582,46 @@ def test_chained_units_prefetch_from_the_next_units_hook() -> None:
     post = {names[u] for u in program.post_units}
     # 0-3 and 4.a feed the next unit as they are; 4.b's output goes through glue; 4.c is the last
     assert post == {"4.b", "4.c"}, post
+    planned.close()
+
+
+def test_a_steady_swap_step_keeps_few_python_objects_until_its_backward() -> None:
+    """What a steady step keeps alive from its forward to its backward is what CPython's cyclic
+    collector promotes and, every few hundred steps, walks with every object of the process
+    (docs/benchmarks.md, session 33): per swapped storage an entry, a handle and the backend's
+    host handle, per hooked stage one hook object; no closure per unit, no view metadata after
+    the first steady step."""
+    import gc
+
+    torch.manual_seed(0)
+    blocks = 12
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(blocks)])
+    x = torch.randn(4, 16)
+    recs = records(model, x)
+    acts = ["swap"] * len(recs)
+    plan = {"format": "tensorplace.plan", "version": 1, "units": [r.name for r in recs], "actions": acts,
+            "prefetch": schedule(recs, acts, 1)}
+    planned = PlannedModule(model, plan, backend=CpuBackend())
+    for _ in range(3):
+        planned(x).sum().backward()
+    gc.collect()
+    gc.disable()
+    try:
+        before = {id(o) for o in gc.get_objects()}
+        out = planned(x)
+        kept = collections.Counter(type(o).__name__ for o in gc.get_objects() if id(o) not in before)
+        storages = planned.last_stats.swap_storages
+        out.sum().backward()
+    finally:
+        gc.enable()
+    assert storages >= len(recs)
+    assert kept["function"] + kept["cell"] <= 12, kept  # the forward's end, not one per unit
+    assert kept["ViewMeta"] == 0 and kept["tuple"] <= 12, kept
+    assert kept["_StageHook"] <= len(recs), kept
+    # per storage its entry, handle and host handle; per unit its entry list, copy group, stage
+    # hook and the node's hook dict; a few per step
+    executor_owned = sum(kept.values()) - kept["Tensor"] - sum(v for k, v in kept.items() if k.endswith("Backward0"))
+    assert executor_owned <= 3 * storages + 4 * len(recs) + 40, kept
     planned.close()
 
 
