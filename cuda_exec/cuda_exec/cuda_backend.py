@@ -558,7 +558,7 @@ class CudaBackend(Backend):
                 if tensor.device != self.device:
                     raise ValueError(f"CudaBackend on {self.device} cannot offload a tensor on {tensor.device}")
                 # the executor's sources (a storage's bytes) have no autograd history to cut
-                src = tensor.detach() if tensor.requires_grad or tensor.grad_fn is not None else tensor
+                src = tensor.detach() if tensor.requires_grad else tensor
                 if src.is_conj():
                     src = src.resolve_conj()
                 if src.is_neg():
