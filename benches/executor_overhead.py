@@ -312,19 +312,21 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         for m in modes.values():
             step(m)
     gc.callbacks.append(on_gc)
-    for r in range(a.rounds):
-        order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
-        for k, m in order:
-            spent_gc = collecting[1]
-            if null_rt is not None:
-                before, offloads = collections.Counter(null_rt.calls), backend.stats["offloads"]
-            times[k].append(step(m))
-            gc_s[k] += collecting[1] - spent_gc
-            if null_rt is not None:
-                calls[k].update(null_rt.calls - before)
-                calls[k]["offloads"] += backend.stats["offloads"] - offloads
-        times["forward"].append(forward())
-    gc.callbacks.remove(on_gc)
+    try:
+        for r in range(a.rounds):
+            order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
+            for k, m in order:
+                spent_gc = collecting[1]
+                if null_rt is not None:
+                    before, offloads = collections.Counter(null_rt.calls), backend.stats["offloads"]
+                times[k].append(step(m))
+                gc_s[k] += collecting[1] - spent_gc
+                if null_rt is not None:
+                    calls[k].update(null_rt.calls - before)
+                    calls[k]["offloads"] += backend.stats["offloads"] - offloads
+            times["forward"].append(forward())
+    finally:
+        gc.callbacks.remove(on_gc)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["unplanned"]
     rows = []
