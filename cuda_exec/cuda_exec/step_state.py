@@ -121,7 +121,7 @@ class _Entry:
 
     def _queue(self, state: "_StepState") -> None:
         # the caller checked that the copy is not queued yet
-        if state.groups_copies:  # the unit's storages leave together
+        if state.groups_copies and self.nbytes > state.inline_bytes:  # the unit's storages leave together
             group = state.copy_groups.get(self.unit)
             if group is None:
                 group = state.copy_groups[self.unit] = state.backend.new_copy_group()
@@ -344,6 +344,8 @@ class _StepState:
         #: swapped unit -> the backend's group of its storages' copies (backends that group them)
         self.copy_groups: Dict[int, Any] = {}
         self.groups_copies: bool = getattr(self.backend, "groups_copies", False)
+        #: copies up to this size complete inside the backend's offload(): no group to wait for
+        self.inline_bytes: int = getattr(self.backend, "inline_bytes", 0)
         #: swapped units whose swap-out the plan never starts (its cost model cancels it first)
         self.unstarted: FrozenSet[int] = getattr(ex, "unstarted_swaps", frozenset())
         #: swapped units whose swap-out the plan lets run but uses in place (cancelled in flight)
