@@ -73,9 +73,7 @@ class CopyGroup:
 
     def __init__(self) -> None:
         self.pending = 0  #: offloads of the group queued and not yet seen done by poll()
-        #: those seen done, their device bytes kept (made at the first: a group of copies that run
-        #: on the caller's thread never has one)
-        self.done: Optional[List[CpuHostHandle]] = None
+        self.done: List[CpuHostHandle] = []  #: those seen done, their device bytes kept
 
 
 #: the event of handles whose copies run on the caller's thread: always set, never cleared
@@ -249,8 +247,6 @@ class CpuBackend:
                 freed += self._drop_source(h)
                 continue
             g.pending -= 1
-            if g.done is None:
-                g.done = []
             g.done.append(h)
             if g.pending == 0:
                 for m in g.done:
