@@ -641,6 +641,38 @@ def test_what_the_forward_keeps_of_dropped_activations_is_measured():
     assert all("lingering_bytes" not in u for u in p["units"][1:])
 
 
+class KeepsFeatures(nn.Module):
+    """densenet's pattern: the pooling's output stays in a local variable until the head's
+    concatenation, while what the pooling's unit owns of the saved tensors (the glue value
+    ``p * 2``, which only ``a`` reads and saves) is let go of after ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.MaxPool1d(2)
+        self.a = nn.Linear(128, 128)
+        self.b = nn.Linear(128, 128)
+        self.head = nn.Linear(256, 4)
+
+    def forward(self, x):
+        p = self.pool(x)
+        h = self.b(self.a(p * 2))
+        return self.head(torch.cat([p, h], -1))
+
+
+def test_the_profile_says_when_the_forward_lets_go_of_a_units_activations():
+    """Issue 18: a swapped unit's bytes may leave after `forward_held_until` (when the copy has
+    completed), not only after its last forward reader; the replay step measures it."""
+    torch.manual_seed(0)
+    p = tpp.profile_model(KeepsFeatures(), torch.randn(64, 1, 256), repeats=1)
+    pool, a, b, head = p["units"]
+    assert pool["act_bytes"] == 64 * 128 * 4 and not pool["output_saved"]
+    # its last forward reader is b's glue (the concatenation); its bytes are free after a
+    assert max(u for u, q in enumerate(p["units"]) if 0 in q["inputs"]) == 2
+    assert pool["forward_held_until"] == 1
+    # a's and b's activations are read by their savers up to their last forward readers
+    assert all("forward_held_until" not in u for u in (a, b, head))
+
+
 def test_the_profile_says_what_the_executor_needs_to_charge_its_host_time():
     """Issue 17: per unit the saved tensors of its segment, its activations' storages, its glue
     calls and the module call holding its glue (docs/cost-model.md, "Host time"), whether it

@@ -113,10 +113,10 @@ def test_budgets_hold_through_the_cuda_backend_on_the_simulated_gpu(name: str) -
     if name in FAST:
         assert 0 < rows[5]["counts"]["swap"] < sum(rows[5]["counts"].values())
     assert all(r["measured_peak_bytes"] <= r["predicted_peak_bytes"] for r in measured), rows
-    # issue 18: the all-recompute plan's predicted peak bounds the bytes alive within 2% (the
-    # plans with swaps depend on when copies end, which the simulated device times by its own
-    # clock: densenet's all-swap plan measured 0.89-1.00 of its prediction over five profiles)
-    assert rows[4]["measured_peak_bytes"] >= 0.98 * rows[4]["predicted_peak_bytes"], rows[4]
+    # issue 18: every plan's predicted peak bounds the bytes alive within 2% (densenet's all-swap
+    # plan measured 0.89-0.95 of its prediction while the model kept a swapped unit's bytes until
+    # its last forward reader, which the profile's forward_held_until now bounds)
+    assert all(r["measured_peak_bytes"] >= 0.98 * r["predicted_peak_bytes"] for r in measured), rows
 
 
 def test_a_lingering_value_a_segment_holds_is_counted_once() -> None:

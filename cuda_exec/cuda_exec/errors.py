@@ -57,5 +57,8 @@ class StepStats:
     #: recomputed unit -> {value id (as the units' ``held_values``): (bytes, the last forward stage
     #: whose start found it still held)}, for the dropped tensors that some unit reads
     dropped_alive_values: Dict[int, Dict[int, Tuple[int, int]]] = field(default_factory=dict)
+    #: recomputed unit -> bytes of its dropped tensors (storages, each once): where they add up to
+    #: its activations, ``dropped_alive`` says how long the forward references all of them
+    dropped_bytes: Dict[int, int] = field(default_factory=dict)
     aborted: bool = False
 

@@ -378,6 +378,8 @@ class _StepState:
         ref = StorageWeakRef(st)
         if ref.cdata not in self.dropped:
             self.dropped[ref.cdata] = (unit, ref, st.nbytes(), sid)
+            dropped = self.stats.dropped_bytes
+            dropped[unit] = dropped.get(unit, 0) + st.nbytes()
 
     def note_dropped_alive(self, stage: int) -> None:
         """At the start of forward stage ``stage`` (``units`` after the last one): the dropped

@@ -87,7 +87,7 @@ Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
   random unit keeps the generators' state for its replay: `rng_state_bytes` of the profile
   (`cuda_exec.executor.replay_state_bytes`: the CPU generator's state on a CPU, device memory
   there; 0 on a GPU).
-- replay_transient_bytes, lingering_bytes, lingering_until: from the replay step.
+- replay_transient_bytes, lingering_bytes, lingering_until, forward_held_until: from the replay step.
 - grad_bytes: bytes of the gradients of the unit's own parameters (`recurse=False` for a leaf
   unit, all parameters of a coarser unit; shared parameters counted once). A module invoked more
   than once: the gradient is allocated by the backward that runs first, i.e. by the invocation
@@ -1022,10 +1022,11 @@ def _lingering_values(unit: int, alive: Dict[int, Tuple[int, int]], last_fwd: in
 def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, n: int,
                  backend: Any, specs: Any, dev: torch.device,
                  allocs: Optional[Dict[int, List[int]]] = None
-                 ) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]], Dict[int, Dict[int, Tuple[int, int]]]]:
+                 ) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]], Dict[int, Dict[int, Tuple[int, int]]],
+                            Optional[Dict[int, int]]]:
     """The replay step (module docstring): ({unit: peak of its replay above its start},
-    StepStats.dropped_alive, StepStats.dropped_alive_values), or ({}, {}, {}) with a warning if
-    the all-recompute step fails.
+    StepStats.dropped_alive, StepStats.dropped_alive_values, StepStats.dropped_bytes), or
+    ({}, {}, {}, None) with a warning if the all-recompute step fails.
     ``allocs``: filled with each replay's allocation sizes."""
     planned = executor_mod.PlannedModule(model, ["recompute"] * n, backend=backend, units=specs)
     try:
@@ -1037,8 +1038,9 @@ def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], los
                 _run_step(planned, args, loss_fn)
         stats = planned.last_stats
         if stats is None:
-            return _replay_windows(events, allocs), {}, {}
-        return _replay_windows(events, allocs), dict(stats.dropped_alive), dict(stats.dropped_alive_values)
+            return _replay_windows(events, allocs), {}, {}, None
+        return (_replay_windows(events, allocs), dict(stats.dropped_alive), dict(stats.dropped_alive_values),
+                dict(stats.dropped_bytes))
     except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
         warnings.warn(
             f"the replay step (every unit recomputed) failed ({type(exc).__name__}: {exc}); the "
@@ -1047,7 +1049,7 @@ def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], los
             RuntimeWarning,
             stacklevel=3,
         )
-        return {}, {}, {}
+        return {}, {}, {}, None
     finally:
         planned.close()
         _clear_grads(model)
@@ -1370,7 +1372,7 @@ def profile_model(
             plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
         replay_allocs: Dict[int, List[int]] = {}
-        replays, alive, alive_values = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev,
+        replays, alive, alive_values, dropped = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev,
                                                     replay_allocs)
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
@@ -1446,6 +1448,15 @@ def profile_model(
             values = _lingering_values(i, alive_values.get(i, {}), last_fwd[i], out_units)
             if values:
                 u["lingering_values"] = values
+        # until when the forward references the unit's activations, where every byte of them was
+        # dropped (so tracked) and that comes before its last forward reader (a swapped unit's
+        # bytes need not stay until that reader): the last stage whose start found some of them
+        # still held, and no earlier than the last unit that saves them (a value is dropped only
+        # when its saver packs it; until then the forward has it)
+        if dropped is not None and 0 < u["act_bytes"] <= dropped.get(i, 0):
+            held = max(max(alive.get(i, {}), default=i), max(u["read_by"], default=i))
+            if held < last_fwd[i]:
+                u["forward_held_until"] = held
     const_total = sum(constant.values())
     fwd_c, bwd_c = _counted_all_retain(out_units, const_total)
     for i, u in enumerate(out_units):

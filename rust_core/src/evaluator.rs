@@ -868,14 +868,15 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
 
     /// Queue unit `u`'s swap-out at the end of forward stage `i`, its first forward reader: the
     /// executor queues a saved storage at the end of the stage that saved it, and the reader that
-    /// saves a unit's output is usually its first. Until its last forward reader has run
-    /// (`fwd_busy`) its bytes stay, whenever the copy completes.
+    /// saves a unit's output is usually its first. Until the forward lets go of them (`fwd_busy`:
+    /// the profile's `forward_held_until`, else its last forward reader) its bytes stay, whenever
+    /// the copy completes.
     fn issue_swap_out(&mut self, u: usize, i: usize) {
         let (_, end) = self.copy(u, Moved::Activations, true, self.g.act[u], EndOf::SwapOut(self.s.queue.len()));
         self.s.queue.push((end, u as u32));
         self.s.in_queue[u] = true;
         self.s.host[u] = true;
-        self.s.fwd_busy[u] = self.g.last_fwd[u] > i;
+        self.s.fwd_busy[u] = self.g.busy_until[u] > i;
     }
 
     fn issue_prefetch(&mut self, u: usize, at_stage: usize) {
@@ -1357,19 +1358,14 @@ fn simulate<E: MemoryEvents>(
                 // Nothing of it stays (a unit without activations too): a replay of its run
                 // must run it again to regenerate what a later unit of the run reads.
                 sim.s.resident[u] = false;
-            }
-            if g.act[u] == 0 {
-                continue;
-            }
-            match actions[u] {
-                Action::Retain => {}
-                Action::Recompute => {
-                    sim.s.resident[u] = false;
+                if g.act[u] > 0 {
                     sim.leave(u);
                 }
-                // Queued after its first forward reader: from now on its bytes may leave.
-                Action::Swap => sim.s.fwd_busy[u] = false,
             }
+        }
+        // Swapped units the forward has let go of: from now on their bytes may leave.
+        for &u in &g.busy_release_after_fwd[i] {
+            sim.s.fwd_busy[u] = false;
         }
         if opts.sync_swap_out && sim.copy_free[0] > sim.t {
             // Synchronous offload: wait for the queued swap-outs; they leave at the next stage.

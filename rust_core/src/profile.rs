@@ -75,6 +75,12 @@ pub struct Unit {
     pub lingering_bytes: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lingering_until: Option<i64>,
+    /// The last forward stage at whose start the forward's own code still references some of
+    /// the unit's activations, when that is before its last forward reader (the replay step: a
+    /// value only its saver reads, a unit's own intermediates). A swapped unit's bytes stay at
+    /// least until then, not until its last forward reader. Absent: its last forward reader.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_held_until: Option<i64>,
     /// The values (ids as in `held_values` / `saved_values`) of those lingering bytes that some
     /// unit reads as an input, as `[value id, bytes]`: while a checkpoint segment holds such a
     /// value for its replay, the forward's reference to it costs nothing more. Absent: none known.
@@ -362,6 +368,12 @@ pub struct Graph {
     pub any_linger_values: bool,
     /// Last forward stage that reads the unit's output (the unit itself if nobody does).
     pub last_fwd: Vec<usize>,
+    /// Per unit, the last forward stage after which the forward may still reference its
+    /// activations: `forward_held_until`, at most `last_fwd` (`last_fwd` when absent). A swapped
+    /// unit's bytes stay until it has run, whenever the copy completes.
+    pub busy_until: Vec<usize>,
+    /// For each forward stage, the units whose `busy_until` it is.
+    pub busy_release_after_fwd: Vec<Vec<usize>>,
     /// Backward stage that first needs the unit's activations (largest reader), or None.
     pub first_need: Vec<Option<usize>>,
     /// Backward stage after which the activations are freed (smallest reader), or None.
@@ -476,6 +488,9 @@ impl Profile {
             }
             if let Some(lv) = &u.lingering_values {
                 h.update(format!("lingering_values{lv:?};"));
+            }
+            if let Some(t) = u.forward_held_until {
+                h.update(format!("forward_held_until{t};"));
             }
             if let Some(hf) = &u.held_from {
                 h.update(format!("held_from{hf:?};"));
@@ -615,6 +630,14 @@ impl Profile {
                     u.lingering_bytes.unwrap_or(0),
                     u.act_bytes
                 )));
+            }
+            if let Some(t) = u.forward_held_until {
+                if t < i as i64 || t > n as i64 {
+                    return Err(CoreError::InvalidProfile(format!(
+                        "unit {i} ({}) has forward_held_until {t}; it must be a forward stage from {i} to {n} ({n}: after the forward)",
+                        u.name
+                    )));
+                }
             }
             if u.lingering_bytes.unwrap_or(0) > 0 {
                 match u.lingering_until {
@@ -764,6 +787,16 @@ impl Profile {
         }
         for v in needs.iter_mut() {
             v.sort_unstable_by(|a, b| b.cmp(a));
+        }
+        let busy_until: Vec<usize> = self
+            .units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| unit.forward_held_until.map_or(last_fwd[u], |t| (t.max(0) as usize).min(last_fwd[u])))
+            .collect();
+        let mut busy_release_after_fwd = vec![Vec::new(); n];
+        for (u, &b) in busy_until.iter().enumerate() {
+            busy_release_after_fwd[b].push(u);
         }
         let mut linger = vec![0u64; n];
         let mut linger_until = last_fwd.clone();
@@ -930,6 +963,8 @@ impl Profile {
             linger_values,
             any_linger_values,
             last_fwd,
+            busy_until,
+            busy_release_after_fwd,
             first_need,
             last_use,
             needs,

@@ -23,6 +23,7 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         lingering_bytes: None,
         lingering_until: None,
         lingering_values: None,
+        forward_held_until: None,
         held_from: None,
         saved_from: None,
         param_bytes: None,

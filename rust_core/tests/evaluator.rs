@@ -213,6 +213,43 @@ fn a_swap_out_is_queued_after_the_first_forward_reader_and_leaves_after_the_last
 }
 
 #[test]
+fn a_swapped_unit_the_forward_lets_go_of_early_leaves_when_its_copy_ends() {
+    // The profile of the test above, but the replay step found unit 0's bytes (a pooling's
+    // indices, say, and the value its saver reads) no longer referenced by the forward after F1
+    // (`forward_held_until`), although unit 3 reads its output (densenet's list of features):
+    // they leave when the copy ends (3 s, the start of F3), not after F3.
+    let mut units: Vec<_> = (0..5)
+        .map(|i| {
+            let ins: Vec<i64> = match i {
+                0 => vec![],
+                3 => vec![0, 2],
+                _ => vec![i as i64 - 1],
+            };
+            unit(&format!("u{i}"), &ins, 1.0, 2.0, if i == 0 { 10 } else { 1 })
+        })
+        .collect();
+    units = wire(units);
+    units[0].forward_held_until = Some(1);
+    let p = profile(units, 0, 10.0);
+    let o = eval(&p, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(3)).mem_start, 1 + 1);
+    assert!(o.swap_deadlines.contains(&(Stage::Fwd(3), 0)), "{:?}", o.swap_deadlines);
+    // Held until F2: the copy ends before F3, so the same.
+    let mut q = p.clone();
+    q.units[0].forward_held_until = Some(2);
+    let o2 = eval(&q, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o2, Stage::Fwd(3)).mem_start, 1 + 1);
+    // A stage past the last forward reader is the last reader (lingering_bytes say the rest),
+    // and one before the unit itself is refused.
+    q.units[0].forward_held_until = Some(4);
+    let o3 = eval(&q, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o3, Stage::Fwd(3)).mem_start, 10 + 1 + 1);
+    q.units[1].forward_held_until = Some(0);
+    let err = q.graph().unwrap_err().to_string();
+    assert!(err.contains("forward_held_until 0") && err.contains("from 1 to 5"), "{err}");
+}
+
+#[test]
 fn a_replay_is_charged_its_measured_transient_inside_the_stage_that_needs_it() {
     let mut p = chain(&[1.0, 1.0], &[10, 10], 0, 1.0);
     p.units[0].fwd_transient_bytes = 100;
