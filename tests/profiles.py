@@ -78,6 +78,13 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
             u["saved_from"] = [[p, min(units[p]["output_bytes"], units[p]["act_bytes"])
                                 if units[p]["output_saved"] else units[p]["act_bytes"]]
                                for p in u["inputs"] if i in units[p]["read_by"]]
+    # A unit whose activations the forward lets go of before its last forward reader (the
+    # replay step's `forward_held_until`: no earlier than the units that save them).
+    for i, u in enumerate(units):
+        last_fwd = max([i] + [c for c in range(i + 1, n) if i in units[c]["inputs"]])
+        held = max([i] + u["read_by"])
+        if u["act_bytes"] > 0 and held < last_fwd and draw(st.booleans()):
+            u["forward_held_until"] = draw(st.integers(held, last_fwd - 1))
     bw = draw(st.floats(10.0, 50.0 if checkpointable else 10000.0))
     return {
         "format": "tensorplace.profile",

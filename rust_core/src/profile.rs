@@ -369,8 +369,9 @@ pub struct Graph {
     /// Last forward stage that reads the unit's output (the unit itself if nobody does).
     pub last_fwd: Vec<usize>,
     /// Per unit, the last forward stage after which the forward may still reference its
-    /// activations: `forward_held_until`, at most `last_fwd` (`last_fwd` when absent). A swapped
-    /// unit's bytes stay until it has run, whenever the copy completes.
+    /// activations: `forward_held_until`, from its first forward reader (after which a swapped
+    /// unit's copy is queued) to `last_fwd` (`last_fwd` when absent). A swapped unit's bytes stay
+    /// until it has run, whenever the copy completes.
     pub busy_until: Vec<usize>,
     /// For each forward stage, the units whose `busy_until` it is.
     pub busy_release_after_fwd: Vec<Vec<usize>>,
@@ -792,7 +793,11 @@ impl Profile {
             .units
             .iter()
             .enumerate()
-            .map(|(u, unit)| unit.forward_held_until.map_or(last_fwd[u], |t| (t.max(0) as usize).min(last_fwd[u])))
+            .map(|(u, unit)| {
+                // no earlier than its first forward reader, after which its copy is queued
+                let first = first_fwd[u].unwrap_or(u);
+                unit.forward_held_until.map_or(last_fwd[u], |t| (t.max(0) as usize).clamp(first, last_fwd[u]))
+            })
             .collect();
         let mut busy_release_after_fwd = vec![Vec::new(); n];
         for (u, &b) in busy_until.iter().enumerate() {

@@ -113,7 +113,7 @@ fn profile_graph(profile_json: &str) -> PyResult<String> {
         "bwd_transient": (0..g.n).map(|i| g.bwd_transient[i].max(g.loss_transient[i].saturating_sub(g.grad[i]))).collect::<Vec<_>>(),
         "grad": g.grad,
         "inputs": g.inputs, "replay_inputs": g.replay_inputs, "replay_extra": g.replay_extra,
-        "linger": g.linger, "linger_until": g.linger_until, "last_fwd": g.last_fwd,
+        "linger": g.linger, "linger_until": g.linger_until, "last_fwd": g.last_fwd, "busy_until": g.busy_until,
         "first_need": g.first_need, "last_use": g.last_use, "needs": g.needs,
         "packs": g.packs, "act_storages": g.act_storages, "glue_ops": g.glue_ops,
         "swap_host": (0..g.n).map(|u| g.costs.swap_host(g.act[u] as f64, g.act_storages[u], g.d2h, g.h2d)).collect::<Vec<_>>(),

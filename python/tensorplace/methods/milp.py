@@ -13,8 +13,9 @@ Stages are numbered s = 0 .. 2n-1: forward F0 .. F(n-1) are 0 .. n-1, backward B
 For a unit u the model has binaries r_u, w_u, c_u (retain, swap, recompute; one of them is 1;
 swap only for a unit with activations and a backward reader), and for a swap:
 
-- z[u, b]: the swap-out has left the device when stage b allocates (b in lf+1 .. lf+1+K, the
-  copy is queued after u's last forward reader lf); the copy's work is split over the stages
+- z[u, b]: the swap-out has left the device when stage b allocates (b in bu+1 .. bu+1+K, bu the
+  last stage the forward may reference u's activations in: its last forward reader, or the
+  profile's `forward_held_until`); the copy's work is split over the stages
   before b (continuous, f[u, k] <= d_u * [u still on the device at k]), and at stage b itself it
   is a stall (the evaluator waits for a queued swap-out when a stage does not fit);
 - y[u, p]: the prefetch is issued at the start of stage p (within the evaluator's lookahead
@@ -89,6 +90,7 @@ class _Graph:
     linger: List[int]
     linger_until: List[int]  # stage index (inclusive) until which lingering bytes stay
     last_fwd: List[int]
+    busy_until: List[int]  # stage index until which the forward may reference its activations
     first_need: List[Optional[int]]  # stage index of the first backward reader
     last_use: List[Optional[int]]  # stage index of the last backward reader
     needs: List[List[int]]  # per unit i: the units whose activations B(i) reads, largest first
@@ -135,6 +137,7 @@ def _graph(profile_text: str) -> _Graph:
         linger=[int(b) for b in d["linger"]],
         linger_until=linger_until,
         last_fwd=[int(v) for v in d["last_fwd"]],
+        busy_until=[int(v) for v in d["busy_until"]],
         first_need=[None if r is None else S - 1 - int(r) for r in d["first_need"]],
         last_use=[None if r is None else S - 1 - int(r) for r in d["last_use"]],
         needs=[list(map(int, v)) for v in d["needs"]],
@@ -412,7 +415,7 @@ def _swap_resident_terms(g: _Graph, U: Dict[int, _Unit], p: int, k: int) -> Dict
     fn = g.first_need[p]
     assert lu is not None and fn is not None and v.w is not None
     for b, col in v.z.items():
-        if k < b and k > g.last_fwd[p]:
+        if k < b and k > g.busy_until[p]:
             _add(e, col, 1.0)
     if k <= fn:
         for q, col in v.y.items():
@@ -475,8 +478,10 @@ def build(
     # Memory that no action changes, per stage (what every plan has on the device then).
     base = np.full(S, float(g.constant))
     for u in range(n):
-        lf = g.last_fwd[u]
-        base[u : lf + 1] += g.act[u] + (0 if g.out_saved[u] else g.out[u])
+        # activations until the forward lets go of them (then what each action does with them),
+        # an unsaved output until its last forward reader
+        base[u : g.busy_until[u] + 1] += g.act[u]
+        base[u : g.last_fwd[u] + 1] += 0 if g.out_saved[u] else g.out[u]
         base[u] += g.fwd_tr[u]
     grads = np.cumsum(np.array(g.grad[::-1], dtype=float))  # after B(n-1), B(n-2), ...
     base[n:] += grads + np.array(g.bwd_tr[::-1], dtype=float)
@@ -494,10 +499,11 @@ def build(
     prefetch_rows: Dict[int, Dict[int, float]] = {}
     counts = {"swap_candidates": 0, "recompute_candidates": 0}
     for u in range(n):
-        lf, fn, lu = g.last_fwd[u], g.first_need[u], g.last_use[u]
+        lf, fn, lu, bu = g.last_fwd[u], g.first_need[u], g.last_use[u], g.busy_until[u]
         act = float(g.act[u])
-        can_swap = allow_swap and g.act[u] > 0 and fn is not None and lf + 1 <= min(lf + 1 + swap_window, fn)
+        can_swap = allow_swap and g.act[u] > 0 and fn is not None and bu + 1 <= min(bu + 1 + swap_window, fn)
         if not can_swap and not allow_recompute:
+            base[bu + 1 : lf + 1] += act  # retained, as before its last forward reader
             continue
         r = m.col(integer=True)
         w = m.col(integer=True, cost=g.swap_host[u] if g.swap_host else 0.0) if can_swap else None
@@ -511,18 +517,19 @@ def build(
         m.row(one, 1.0, 1.0)
         lin = lambda s: float(g.linger[u]) if s <= g.linger_until[u] else 0.0  # noqa: E731
         # Retain: resident after the forward until its last backward reader (to the end if none).
-        memc(r)[lf + 1 : (S - 1 if lu is None else lu) + 1] += act
+        memc(r)[bu + 1 : (S - 1 if lu is None else lu) + 1] += act
         if c is not None:
             # Recompute: what the forward still references after the unit is dropped; the rest
             # (held inputs, the replay) is the segment's.
             counts["recompute_candidates"] += 1
             cm = memc(c)
+            cm[bu + 1 : lf + 1] += act  # dropped after its last forward reader
             for s in range(lf + 1, S):
                 cm[s] += lin(s)
         if w is not None:
             assert fn is not None and lu is not None
             p_lo, p_hi = max(fn - lookahead, n), fn
-            b_lo, b_hi = lf + 1, min(lf + 1 + swap_window, fn)
+            b_lo, b_hi = bu + 1, min(bu + 1 + swap_window, fn)
             counts["swap_candidates"] += 1
             d, h = act / g.d2h, act / g.h2d
             U[u].z = {b: m.col(integer=True) for b in range(b_lo, b_hi + 1)}
@@ -536,14 +543,14 @@ def build(
                 _add(order, col, -float(p))
             m.row(order, -np.inf, 0.0)  # released before the prefetch is issued
             wm = memc(w)
-            for s in range(lf + 1, S):
+            for s in range(bu + 1, S):
                 wm[s] += lin(s)
             wm[fn + 1 : lu + 1] += act
             # Swap-out: on the device at stage k while not yet released (b > k); its copy works
             # in the stages before b, and at stage b itself only as a stall (the evaluator waits
             # for a queued swap-out when the stage does not fit).
             work_out: Dict[int, float] = {}
-            for k in range(lf + 1, b_hi + 1):
+            for k in range(bu + 1, b_hi + 1):
                 later = {col: 1.0 for b, col in U[u].z.items() if b > k}
                 for col in later:
                     memc(col)[k] += act - lin(k)
