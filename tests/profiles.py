@@ -79,11 +79,12 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
                                 if units[p]["output_saved"] else units[p]["act_bytes"]]
                                for p in u["inputs"] if i in units[p]["read_by"]]
     # A unit whose activations the forward lets go of before its last forward reader (the
-    # replay step's `forward_held_until`: no earlier than the units that save them).
+    # replay step's `forward_held_until`: no earlier than the units that save them). Not in the
+    # checkpointable profiles, made for optima with segments (cheaper swaps work against that).
     for i, u in enumerate(units):
         last_fwd = max([i] + [c for c in range(i + 1, n) if i in units[c]["inputs"]])
         held = max([i] + u["read_by"])
-        if u["act_bytes"] > 0 and held < last_fwd and draw(st.booleans()):
+        if not checkpointable and u["act_bytes"] > 0 and held < last_fwd and draw(st.booleans()):
             u["forward_held_until"] = draw(st.integers(held, last_fwd - 1))
     bw = draw(st.floats(10.0, 50.0 if checkpointable else 10000.0))
     return {
