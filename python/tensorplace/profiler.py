@@ -1372,8 +1372,8 @@ def profile_model(
             plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
         replay_allocs: Dict[int, List[int]] = {}
-        replays, alive, alive_values, dropped = _replay_step(executor_mod, model, args, loss_fn, n, backend, specs, dev,
-                                                    replay_allocs)
+        replays, alive, alive_values, dropped = _replay_step(executor_mod, model, args, loss_fn, n, backend,
+                                                             specs, dev, replay_allocs)
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
         # The optimizer step, per unit (on copies).
