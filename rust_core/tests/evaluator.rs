@@ -179,15 +179,9 @@ fn lingering_activations_leave_when_the_forward_lets_go_of_them() {
     assert_eq!(stage_point(&o, Stage::Fwd(2)).mem_start, 1);
 }
 
-#[test]
-fn a_swap_out_is_queued_after_the_first_forward_reader_and_leaves_after_the_last() {
-    // Unit 0's output is read by unit 1 (which saves it: the executor queues its copy at the end
-    // of F1) and again by unit 3 (a residual add, say: the forward holds it until F3 ends). Its
-    // 1 s copy runs 2 s .. 3 s, so its bytes leave when F3 is done, at the start of F4, not when
-    // the copy completes (the forward still reads them in F3), nor only after a copy queued
-    // behind F3 (4 s .. 5 s, the start of the backward). Found on swin_t's all-swap plan
-    // (issue 18): the block's residual stream, saved by norm2 and added after the MLP.
-    let mut units: Vec<_> = (0..5)
+/// Five units in a chain, unit 0 (10 bytes, the others 1) read again by unit 3.
+fn read_again_by_unit_3() -> Vec<tensorplace_core::profile::Unit> {
+    let units: Vec<_> = (0..5)
         .map(|i| {
             let ins: Vec<i64> = match i {
                 0 => vec![],
@@ -197,8 +191,18 @@ fn a_swap_out_is_queued_after_the_first_forward_reader_and_leaves_after_the_last
             unit(&format!("u{i}"), &ins, 1.0, 2.0, if i == 0 { 10 } else { 1 })
         })
         .collect();
-    units = wire(units);
-    let p = profile(units, 0, 10.0);
+    wire(units)
+}
+
+#[test]
+fn a_swap_out_is_queued_after_the_first_forward_reader_and_leaves_after_the_last() {
+    // Unit 0's output is read by unit 1 (which saves it: the executor queues its copy at the end
+    // of F1) and again by unit 3 (a residual add, say: the forward holds it until F3 ends). Its
+    // 1 s copy runs 2 s .. 3 s, so its bytes leave when F3 is done, at the start of F4, not when
+    // the copy completes (the forward still reads them in F3), nor only after a copy queued
+    // behind F3 (4 s .. 5 s, the start of the backward). Found on swin_t's all-swap plan
+    // (issue 18): the block's residual stream, saved by norm2 and added after the MLP.
+    let p = profile(read_again_by_unit_3(), 0, 10.0);
     let o = eval(&p, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
     let copy = o.copies.iter().find(|c| c.unit == 0 && c.to_host).expect("unit 0's swap-out");
     assert_eq!((copy.start, copy.end), (2.0, 3.0), "{:?}", o.copies);
@@ -218,17 +222,7 @@ fn a_swapped_unit_the_forward_lets_go_of_early_leaves_when_its_copy_ends() {
     // indices, say, and the value its saver reads) no longer referenced by the forward after F1
     // (`forward_held_until`), although unit 3 reads its output (densenet's list of features):
     // they leave when the copy ends (3 s, the start of F3), not after F3.
-    let mut units: Vec<_> = (0..5)
-        .map(|i| {
-            let ins: Vec<i64> = match i {
-                0 => vec![],
-                3 => vec![0, 2],
-                _ => vec![i as i64 - 1],
-            };
-            unit(&format!("u{i}"), &ins, 1.0, 2.0, if i == 0 { 10 } else { 1 })
-        })
-        .collect();
-    units = wire(units);
+    let mut units = read_again_by_unit_3();
     units[0].forward_held_until = Some(1);
     let p = profile(units, 0, 10.0);
     let o = eval(&p, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
