@@ -10,14 +10,15 @@ from hypothesis import strategies as st
 
 @st.composite
 def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: bool = True,
-                 segments: bool = True, checkpointable: bool = False) -> Dict[str, Any]:
+                 segments: bool = True, checkpointable: bool = False, forward_held: bool = True) -> Dict[str, Any]:
     """Random DAG profiles. `checkpointable`: the profiles where checkpoint segments of several
     units pay off: every unit reads the one before it, a unit holds its inputs' unsaved outputs for
     a replay (all of them, attributed in held_from, which a segment regenerates instead), and the
     units are named as repeated blocks of 2 or 3 units (so the profile has default segment
     starts) two times in three; transients, gradients and constant memory are small, so that
     activations decide the peak; forward times are short and copies slow, so that recomputing
-    pays off more often than swapping."""
+    pays off more often than swapping. `forward_held`: some units carry `forward_held_until`
+    (never the checkpointable ones)."""
     n = draw(st.integers(min(3, max_units) if checkpointable else 1, max_units))
     small = 5 if checkpointable else 1
     units: List[Dict[str, Any]] = []
@@ -84,7 +85,7 @@ def dag_profiles(draw: Any, max_units: int = 10, transients: bool = True, held: 
     for i, u in enumerate(units):
         last_fwd = max([i] + [c for c in range(i + 1, n) if i in units[c]["inputs"]])
         held = max([i] + u["read_by"])
-        if not checkpointable and u["act_bytes"] > 0 and held < last_fwd and draw(st.booleans()):
+        if forward_held and not checkpointable and u["act_bytes"] > 0 and held < last_fwd and draw(st.booleans()):
             u["forward_held_until"] = draw(st.integers(held, last_fwd - 1))
     bw = draw(st.floats(10.0, 50.0 if checkpointable else 10000.0))
     return {

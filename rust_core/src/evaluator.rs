@@ -1358,14 +1358,16 @@ fn simulate<E: MemoryEvents>(
                 // Nothing of it stays (a unit without activations too): a replay of its run
                 // must run it again to regenerate what a later unit of the run reads.
                 sim.s.resident[u] = false;
-                if g.act[u] > 0 {
-                    sim.leave(u);
-                }
             }
         }
-        // Swapped units the forward has let go of: from now on their bytes may leave.
+        // Units whose activations the forward has let go of: a recomputed unit's leave (its
+        // tensors were dropped at pack time), a swapped unit's may leave from now on.
         for &u in &g.busy_release_after_fwd[i] {
-            sim.s.fwd_busy[u] = false;
+            match actions[u] {
+                Action::Recompute if g.act[u] > 0 => sim.leave(u),
+                Action::Swap => sim.s.fwd_busy[u] = false,
+                _ => {}
+            }
         }
         if opts.sync_swap_out && sim.copy_free[0] > sim.t {
             // Synchronous offload: wait for the queued swap-outs; they leave at the next stage.

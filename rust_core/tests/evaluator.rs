@@ -217,7 +217,7 @@ fn a_swap_out_is_queued_after_the_first_forward_reader_and_leaves_after_the_last
 }
 
 #[test]
-fn a_swapped_unit_the_forward_lets_go_of_early_leaves_when_its_copy_ends() {
+fn a_unit_the_forward_lets_go_of_early_leaves_then_swapped_when_its_copy_ends() {
     // The profile of the test above, but the replay step found unit 0's bytes (a pooling's
     // indices, say, and the value its saver reads) no longer referenced by the forward after F1
     // (`forward_held_until`), although unit 3 reads its output (densenet's list of features):
@@ -238,6 +238,11 @@ fn a_swapped_unit_the_forward_lets_go_of_early_leaves_when_its_copy_ends() {
     q.units[0].forward_held_until = Some(4);
     let o3 = eval(&q, &[Swap, Retain, Retain, Retain, Retain], u64::MAX);
     assert_eq!(stage_point(&o3, Stage::Fwd(3)).mem_start, 10 + 1 + 1);
+    // Recomputed, its tensors were dropped at pack time: they leave after F1 too, not after F3.
+    let o = eval(&p, &[Recompute, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(2)).mem_start, 1);
+    let o = eval(&profile(read_again_by_unit_3(), 0, 10.0), &[Recompute, Retain, Retain, Retain, Retain], u64::MAX);
+    assert_eq!(stage_point(&o, Stage::Fwd(2)).mem_start, 10 + 1);
     q.units[1].forward_held_until = Some(0);
     let err = q.graph().unwrap_err().to_string();
     assert!(err.contains("forward_held_until 0") && err.contains("from 1 to 5"), "{err}");

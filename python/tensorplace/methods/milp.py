@@ -519,12 +519,11 @@ def build(
         # Retain: resident after the forward until its last backward reader (to the end if none).
         memc(r)[bu + 1 : (S - 1 if lu is None else lu) + 1] += act
         if c is not None:
-            # Recompute: what the forward still references after the unit is dropped; the rest
-            # (held inputs, the replay) is the segment's.
+            # Recompute: dropped when the forward lets go of it (busy_until), but what the forward
+            # still references after that; the rest (held inputs, the replay) is the segment's.
             counts["recompute_candidates"] += 1
             cm = memc(c)
-            cm[bu + 1 : lf + 1] += act  # dropped after its last forward reader
-            for s in range(lf + 1, S):
+            for s in range(bu + 1, S):
                 cm[s] += lin(s)
         if w is not None:
             assert fn is not None and lu is not None
