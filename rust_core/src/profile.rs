@@ -78,7 +78,8 @@ pub struct Unit {
     /// The last forward stage at whose start the forward's own code still references some of
     /// the unit's activations, when that is before its last forward reader (the replay step: a
     /// value only its saver reads, a unit's own intermediates). A swapped unit's bytes stay at
-    /// least until then, not until its last forward reader. Absent: its last forward reader.
+    /// least until then, a recomputed unit's until then, not until its last forward reader.
+    /// Absent: its last forward reader.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forward_held_until: Option<i64>,
     /// The values (ids as in `held_values` / `saved_values`) of those lingering bytes that some
@@ -371,7 +372,7 @@ pub struct Graph {
     /// Per unit, the last forward stage after which the forward may still reference its
     /// activations: `forward_held_until`, from its first forward reader (after which a swapped
     /// unit's copy is queued) to `last_fwd` (`last_fwd` when absent). A swapped unit's bytes stay
-    /// until it has run, whenever the copy completes.
+    /// until it has run, whenever the copy completes; a recomputed unit's leave after it.
     pub busy_until: Vec<usize>,
     /// For each forward stage, the units whose `busy_until` it is.
     pub busy_release_after_fwd: Vec<Vec<usize>>,

@@ -125,6 +125,27 @@ fn resumed_and_bounded_moves_score_as_full_evaluations_on_random_profiles() {
     assert!(stopped > 1000, "only {stopped} bounded evaluations stopped early");
 }
 
+#[test]
+fn resumed_and_bounded_moves_score_as_full_evaluations_with_forward_held_until() {
+    // Units whose activations the forward lets go of before their last forward reader: a
+    // swapped one's bytes may leave earlier, a recomputed one's leave earlier.
+    let mut stopped = 0;
+    for seed in 0..200u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(7000 + seed);
+        let mut p = random_profile(&mut rng, 20);
+        let n = p.units.len();
+        for u in 0..n {
+            if p.units[u].act_bytes > 0 && rng.gen_bool(0.5) {
+                p.units[u].forward_held_until = Some(rng.gen_range(u..=n) as i64);
+            }
+        }
+        let g = p.graph().unwrap();
+        let opts = random_opts(&mut rng);
+        stopped += check(&g, &mut rng, &opts, 3, 12);
+    }
+    assert!(stopped > 100, "only {stopped} bounded evaluations stopped early");
+}
+
 fn data(name: &str) -> Profile {
     let path = format!("{}/tests/data/{name}.json", env!("CARGO_MANIFEST_DIR"));
     Profile::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
