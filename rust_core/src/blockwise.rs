@@ -27,6 +27,7 @@
 //! profiles of docs/methods.md's table (all smaller) the search over every unit finds plans as fast
 //! or faster, at a cost that grows about as units^2.5 (docs/benchmarks.md has both measured).
 
+use crate::threads::Threads;
 use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{EvalOptions, Score};
@@ -123,7 +124,7 @@ pub fn search(
     budget: u64,
     opts: &EvalOptions,
     settings: &PsoSettings,
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     trace: &mut Trace,
     on_iteration: &mut dyn FnMut(usize, &Score),
 ) -> (Vec<Action>, Score) {

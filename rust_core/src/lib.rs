@@ -41,6 +41,7 @@ pub mod pso;
 pub mod recipes;
 pub mod reserved;
 pub mod space;
+pub mod threads;
 pub mod state_swap;
 pub mod versioned;
 

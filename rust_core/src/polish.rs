@@ -36,7 +36,7 @@ use crate::incremental::{Base, Context, Worker};
 use crate::memo::{normalized, ScoreMemo};
 use crate::profile::Graph;
 use crate::space::Space;
-use rayon::prelude::*;
+use crate::threads::Threads;
 
 /// Most repairs after the first change of an ejection chain.
 pub const CHAIN_ROUNDS: usize = 8;
@@ -123,7 +123,7 @@ fn key_of_move(memo: &mut ScoreMemo, space: &Space, m: &Move) {
 pub(crate) struct Polisher<'a> {
     g: &'a Graph,
     space: &'a Space,
-    pool: &'a rayon::ThreadPool,
+    pool: &'a Threads,
     ctx: Context<'a>,
     /// The same profile with unlimited memory (the ejection chains' first changes).
     free_ctx: Context<'a>,
@@ -145,7 +145,7 @@ pub(crate) struct Polisher<'a> {
 }
 
 impl<'a> Polisher<'a> {
-    pub(crate) fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions, pool: &'a rayon::ThreadPool, space: &'a Space) -> Self {
+    pub(crate) fn new(g: &'a Graph, budget: u64, opts: &'a EvalOptions, pool: &'a Threads, space: &'a Space) -> Self {
         let ctx = Context::new(g, budget, opts);
         let free_ctx = ctx.with_budget(u64::MAX);
         let swappable = (0..space.dims())
@@ -265,21 +265,18 @@ impl<'a> Polisher<'a> {
         let (ctx, base) = if free { (&self.free_ctx, &self.free_base) } else { (&self.ctx, &self.base) };
         let base = base.as_ref().expect("a base");
         let n = self.g.n;
-        let results: Vec<(Option<Score>, u64)> = self.pool.install(|| {
-            todo.par_iter()
-                .map(|&i| &moves[i])
-                .map_init(
-                    || (Worker::new(n), plan.to_vec()),
-                    |(w, p), m| {
-                        m.apply(space, p);
-                        let before = w.stages;
-                        let s = ctx.score(base, p, m.first_unit(space), bound, w);
-                        m.undo(space, p, plan);
-                        (s, w.stages - before)
-                    },
-                )
-                .collect()
-        });
+        let results: Vec<(Option<Score>, u64)> = self.pool.map(
+            &todo,
+            || (Worker::new(n), plan.to_vec()),
+            |(w, p), &i| {
+                let m = &moves[i];
+                m.apply(space, p);
+                let before = w.stages;
+                let s = ctx.score(base, p, m.first_unit(space), bound, w);
+                m.undo(space, p, plan);
+                (s, w.stages - before)
+            },
+        );
         self.stages += results.iter().map(|r| r.1).sum::<u64>();
         let memo = if free { &mut self.memos.free } else { &mut self.memos.budget };
         if memo.enabled() {
@@ -582,7 +579,7 @@ pub fn polish(
     g: &Graph,
     budget: u64,
     opts: &EvalOptions,
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     space: &Space,
     starts: Vec<(Vec<Action>, Score)>,
     memos: &mut Memos,

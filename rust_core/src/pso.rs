@@ -30,7 +30,7 @@ use crate::profile::Graph;
 use crate::space::Space;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rayon::prelude::*;
+use crate::threads::Threads;
 use std::time::Instant;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -275,10 +275,7 @@ pub fn search(
         return Err(CoreError::InvalidSetting("a seed plan swaps, but the search may not (swaps = false)".into()));
     }
     crate::blockwise::check_blocks(g.n, &settings.blocks)?;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(settings.threads)
-        .build()
-        .map_err(|e| CoreError::InvalidSetting(format!("cannot start {} threads: {e}", settings.threads)))?;
+    let pool = Threads::new(settings.threads)?;
     let mut trace = Trace::default();
     let best = if crate::blockwise::block_wise(g.n, settings) {
         crate::blockwise::search(g, budget, opts, settings, &pool, &mut trace, &mut on_iteration)
@@ -305,7 +302,7 @@ pub(crate) fn pipeline(
     budget: u64,
     opts: &EvalOptions,
     settings: &PsoSettings,
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     space: &Space,
     seeds: &[Vec<Action>],
     trace: &mut Trace,
@@ -418,7 +415,7 @@ impl Swarm {
         budget: u64,
         opts: &EvalOptions,
         settings: &PsoSettings,
-        pool: &rayon::ThreadPool,
+        pool: &Threads,
         space: &Space,
         on_iteration: &mut dyn FnMut(usize, &Score),
     ) -> Swarm {
@@ -441,18 +438,14 @@ impl Swarm {
                 }
             })
             .collect();
-        let initial: Vec<(Score, u64)> = pool.install(|| {
-            positions
-                .par_iter()
-                .map_init(
-                    || Worker::new(n),
-                    |w, p| {
-                        let before = w.stages;
-                        (ctx.score_full(p, None, w).expect("no bound"), w.stages - before)
-                    },
-                )
-                .collect()
-        });
+        let initial: Vec<(Score, u64)> = pool.map(
+            &positions,
+            || Worker::new(n),
+            |w, p| {
+                let before = w.stages;
+                (ctx.score_full(p, None, w).expect("no bound"), w.stages - before)
+            },
+        );
         let mut stages: u64 = initial.iter().map(|x| x.1).sum();
         let mut scores: Vec<Score> = initial.into_iter().map(|x| x.0).collect();
         let mut evaluations = m as u64;
@@ -471,42 +464,36 @@ impl Swarm {
         for it in 0..settings.iterations {
             let p1 = positions[argbest(&scores)].clone();
             let same_p1 = p1 == last_p1;
-            let results: Vec<(Score, u64, bool, u64)> = pool.install(|| {
-                positions
-                    .par_iter_mut()
-                    .zip(scores.par_iter())
-                    .zip(pbest.par_iter())
-                    .enumerate()
-                    .map_init(
-                        || (Worker::new(n), Vec::new()),
-                        |(w, before), (i, ((cur, &s), p2))| {
-                            if settings.skip_fixed_points && settings.mutation == 0.0 && same_p1 && unmoved[i] && !pbest_changed[i] {
-                                return (s, 0, true, 0);
+            let results: Vec<(Score, u64, bool, u64)> = pool.map_mut(
+                &mut positions,
+                || (Worker::new(n), Vec::new()),
+                |(w, before), i, cur| {
+                    let (s, p2) = (scores[i], &pbest[i]);
+                    if settings.skip_fixed_points && settings.mutation == 0.0 && same_p1 && unmoved[i] && !pbest_changed[i] {
+                        return (s, 0, true, 0);
+                    }
+                    let stages_before = w.stages;
+                    before.clear();
+                    before.extend_from_slice(cur);
+                    let (mut sc, mut ev) = sweep(&ctx, space, w, cur, Some(s), &p1, p2);
+                    if settings.mutation > 0.0 {
+                        let mut rng = particle_rng(settings.seed, i, it as u64);
+                        let mut changed = false;
+                        for k in 0..space.dims() {
+                            if rng.gen::<f64>() < settings.mutation {
+                                let acts = space.actions();
+                                space.set(cur, k, acts[rng.gen_range(0..acts.len())]);
+                                changed = true;
                             }
-                            let stages_before = w.stages;
-                            before.clear();
-                            before.extend_from_slice(cur);
-                            let (mut sc, mut ev) = sweep(&ctx, space, w, cur, Some(s), &p1, p2);
-                            if settings.mutation > 0.0 {
-                                let mut rng = particle_rng(settings.seed, i, it as u64);
-                                let mut changed = false;
-                                for k in 0..space.dims() {
-                                    if rng.gen::<f64>() < settings.mutation {
-                                        let acts = space.actions();
-                                        space.set(cur, k, acts[rng.gen_range(0..acts.len())]);
-                                        changed = true;
-                                    }
-                                }
-                                if changed {
-                                    sc = ctx.score_full(cur, None, w).expect("no bound");
-                                    ev += 1;
-                                }
-                            }
-                            (sc, ev, *before == *cur, w.stages - stages_before)
-                        },
-                    )
-                    .collect()
-            });
+                        }
+                        if changed {
+                            sc = ctx.score_full(cur, None, w).expect("no bound");
+                            ev += 1;
+                        }
+                    }
+                    (sc, ev, *before == *cur, w.stages - stages_before)
+                },
+            );
             let mut improved = false;
             last_p1 = p1;
             for (i, (s, ev, still, st)) in results.into_iter().enumerate() {

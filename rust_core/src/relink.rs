@@ -14,6 +14,7 @@
 //! polished plan joins the others. At most `polishes` polishes. Every step is evaluated in
 //! order, so the result and the evaluation count do not depend on the thread count.
 
+use crate::threads::Threads;
 use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
 use crate::polish::{add_distinct, Memos, Polisher};
@@ -81,7 +82,7 @@ pub fn relink(
     g: &Graph,
     budget: u64,
     opts: &EvalOptions,
-    pool: &rayon::ThreadPool,
+    pool: &Threads,
     space: &Space,
     mut plans: Vec<(Vec<Action>, Score)>,
     polishes: usize,
