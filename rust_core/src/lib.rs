@@ -8,7 +8,7 @@
 //! - [`pso`]: HOME's particle swarm search (Algorithms 1 and 3); [`polish`]: the local search
 //!   after it; [`relink`]: path relinking between polished plans, last; [`blockwise`]: the
 //!   search of models of repeated blocks, one plan per class of blocks first; [`space`]: the
-//!   dimensions these searches move in.
+//!   dimensions these searches move in; [`threads`]: the threads they evaluate on.
 //! - [`incremental`]: the search's moves evaluated from saved states, stopped by a bound;
 //!   [`memo`]: the scores the search already knows.
 //! - [`exhaustive`]: every plan of a tiny profile.
