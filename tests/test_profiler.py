@@ -342,6 +342,75 @@ def test_refuses_data_dependent_control_flow():
     assert _hooks_left(model) == 0
 
 
+class SelfCheckpointed(nn.Module):
+    """Recomputes its middle block itself (torch.utils.checkpoint): its modules run again in the
+    backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.mid = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.mid, self.a(x), use_reentrant=False)
+        return self.out(h)
+
+
+def test_refuses_a_model_that_recomputes_its_own_modules_and_says_so():
+    model = SelfCheckpointed()
+    with pytest.raises(tpp.ProfilerError) as e:
+        tpp.profile_model(model, torch.randn(4, 8))
+    msg = str(e.value)
+    assert "during its backward pass" in msg and "'mid.0'" in msg and "torch.utils.checkpoint" in msg
+    assert "different sequence" not in msg
+    assert _hooks_left(model) == 0
+    # without its own checkpointing the same model plans
+    model.forward = lambda x: model.out(model.mid(model.a(x)))
+    assert tpp.profile_model(model, torch.randn(4, 8))["units"]
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class FunctionInGlue(nn.Module):
+    """A custom autograd Function applied in the forward's glue, outside any module: torch
+    function modes see only the ops inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(_Scale.apply(self.a(x), self.w)))
+
+
+def test_a_unit_whose_glue_cannot_be_replayed_fails_its_step_cleanly_and_says_what_to_do():
+    torch.manual_seed(0)
+    model, x = FunctionInGlue(), torch.randn(4, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="autograd.Function"):
+        plan = tp.plan(model, x, budget=2**40, loss_fn=lambda o: o.sum(), method="recompute-all", repeats=1)
+    fast = tp.run(model, plan)
+    with pytest.raises(tp.ReplayError) as e:
+        fast(x).sum().backward()
+    assert "unit 0 (a)" in str(e.value) and "inside an nn.Module" in str(e.value)
+    fast.close()
+    assert _hooks_left(model) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 class Boom(nn.Module):
     """Raises in its forward (after some units ran) on step `fail_at`."""
 

@@ -343,7 +343,11 @@ class _UnitRuntime:
         if count != len(packs):
             raise ReplayError(
                 f"unit {self.unit} ({state.names[self.unit]}): the replay saved {count} tensors, "
-                f"the original forward {len(packs)}"
+                f"the original forward {len(packs)}. Code the executor's torch function mode does not see "
+                "ran after the unit's module and before the next unit (most often a custom "
+                "torch.autograd.Function applied outside an nn.Module), so its replay cannot regenerate "
+                "what that code saved: call it inside an nn.Module (a unit of its own, replayed by calling "
+                "it), or plan this model without recomputation (method='milp-swap' or 'swap-all')"
             )
         values: Dict[ValueRec, torch.Tensor] = {}
         for j, vals in enumerate(seg.value_keys):

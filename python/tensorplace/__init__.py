@@ -10,7 +10,10 @@ minimise step time under a budget, and train under that plan::
 The planner works on profiles too: ``tp.plan_profile(tp.examples.profile("vgg16"), "4GiB")``.
 ``tp.allocator`` simulates what an allocation sequence costs in reserved memory under PyTorch's
 CUDA caching allocator, and replays recorded allocator traces. ``tp.plan_jobs`` splits one
-budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches.
+budget across several jobs; ``tp.accumulate`` trains a moDNN plan's sub-batches. A planned step
+that cannot follow its plan raises ``tp.PlanMismatchError`` (the model ran otherwise than in the
+executor's first step) or ``tp.ReplayError`` (a recomputed unit cannot be replayed), with its
+hooks released.
 """
 
 from . import allocator, examples
@@ -21,6 +24,7 @@ from .api import plan, run
 from .unplanned_memory import UnplannedMemoryWarning
 from .runtime import DeltaRuntime, delta
 from ._core import BudgetError, PlannerError
+from cuda_exec.errors import PlanMismatchError, ReplayError, StepAbortedError
 from .budget import format_bytes, parse_budget
 from .jobs import JobPlans, plan_jobs
 from .planning import (
@@ -51,6 +55,9 @@ __all__ = [
     "JobPlans",
     "Plan",
     "PlannerError",
+    "PlanMismatchError",
+    "ReplayError",
+    "StepAbortedError",
     "UnplannedMemoryWarning",
     "evaluate",
     "examples",

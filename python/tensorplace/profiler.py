@@ -849,6 +849,7 @@ class _Instruments:
         self._depth = 0
         self._calls: Dict[nn.Module, int] = {}
         self._bwd_current: Optional[int] = None
+        self.in_backward: List[str] = []  #: unit modules the model itself ran during the backward
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -875,6 +876,11 @@ class _Instruments:
     def _pre(self, module: nn.Module, args: Any) -> None:
         if _units_module().is_replaying():  # the executor replays a unit: not a forward stage
             return
+        if torch._C._current_graph_task_id() != -1:
+            # the autograd engine runs this module: the model recomputes it itself
+            # (torch.utils.checkpoint); check_no_backward_calls says so
+            self.in_backward.append(self.unit_map[module])
+            return
         self._depth += 1
         if self._depth > 1:
             return
@@ -887,7 +893,7 @@ class _Instruments:
         self.seq_start.append(_seq_nr())
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _units_module().is_replaying():
+        if _units_module().is_replaying() or torch._C._current_graph_task_id() != -1:
             return
         self._depth = max(0, self._depth - 1)
 
@@ -1113,6 +1119,18 @@ def _run_step(model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, inst: Optio
 # --------------------------------------------------------------------------------------------
 # The public functions
 # --------------------------------------------------------------------------------------------
+
+
+def _check_no_backward_calls(names: Sequence[str]) -> None:
+    if names:
+        shown = ", ".join(repr(x) for x in list(dict.fromkeys(names))[:4])
+        raise ProfilerError(
+            f"the model ran unit modules during its backward pass ({shown}{', ...' if len(set(names)) > 4 else ''}): "
+            "it recomputes them itself (torch.utils.checkpoint in its forward, or a backward hook "
+            "that calls modules). tensorplace plans recomputation (and swaps) per unit itself and "
+            "needs each unit to run once, in the forward: remove the model's own checkpointing and "
+            "plan with a budget instead (the plan recomputes what needs recomputing)"
+        )
 
 
 def _check_sequence(units_mod: Any, expected: Sequence[Tuple[str, str]], actual: Sequence[Tuple[str, str]],
@@ -1344,6 +1362,7 @@ def profile_model(
         inst = _Instruments(unit_map, kind_of, clock, markers=True, watch_params=trainable)
         with _memory_recording(dev) as events:
             _run_step(model, args, loss_fn, inst=inst)
+        _check_no_backward_calls(inst.in_backward)
         _check_sequence(units_mod, expected, inst.sequence, "the memory step")
         stage_allocs: Dict[Tuple[str, int], List[int]] = {}
         peaks, overall = _stage_peaks(events, stage_allocs)
