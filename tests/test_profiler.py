@@ -396,16 +396,37 @@ class FunctionInGlue(nn.Module):
         return self.out(torch.tanh(_Scale.apply(self.a(x), self.w)))
 
 
-def test_a_unit_whose_glue_cannot_be_replayed_fails_its_step_cleanly_and_says_what_to_do():
+def test_a_unit_whose_glue_cannot_be_replayed_is_never_recomputed():
+    from side_by_side import assert_trains_alike
+
     torch.manual_seed(0)
     model, x = FunctionInGlue(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    loss_fn = lambda o: o.sum()  # noqa: E731
+    with pytest.warns(RuntimeWarning, match=r"unit 0 \(a\) cannot be recomputed.*autograd\.Function"):
+        probe = tp.plan(model, x, budget=2**40, loss_fn=loss_fn, method="retain", repeats=1)
+    units = probe.profile["units"]
+    assert units[0]["recomputable"] is False and all("recomputable" not in u for u in units[1:])
+    # every method's plan retains it: recompute-all, and a search at the lower bound
+    everything = probe.replan(2**40, method="recompute-all")
+    assert everything.actions[0] == "retain" and set(everything.actions[1:]) == {"recompute"}
+    assert tp.evaluate(probe.profile, ["recompute"] * len(units), 2**40)["step_time"] == pytest.approx(
+        everything.predicted["step_time"], rel=1e-12)
+    tight = probe.replan(tp.lower_bound(probe.profile), method="pso", particles=20, iterations=5)
+    milp = probe.replan(tp.lower_bound(probe.profile), method="milp-recompute")
+    assert tight.actions[0] != "recompute" and milp.actions[0] != "recompute"
+    trained = tp.run(model, everything)
+    assert_trains_alike(model, trained, ref, x, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1), steps=2)
+    trained.close()
+
+    # a plan of a profile that does not say so: its first step fails cleanly and says what to do
+    blind = copy.deepcopy(probe.profile)
+    del blind["units"][0]["recomputable"]
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.warns(RuntimeWarning, match="autograd.Function"):
-        plan = tp.plan(model, x, budget=2**40, loss_fn=lambda o: o.sum(), method="recompute-all", repeats=1)
-    fast = tp.run(model, plan)
+    fast = tp.run(model, tp.plan_profile(blind, 2**40, "recompute-all"))
     with pytest.raises(tp.ReplayError) as e:
         fast(x).sum().backward()
-    assert "unit 0 (a)" in str(e.value) and "inside an nn.Module" in str(e.value)
+    assert e.value.unit == 0 and "inside an nn.Module" in str(e.value)
     fast.close()
     assert _hooks_left(model) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["CompiledPathError", "PlanMismatchError", "StepAbortedError", "ReplayError", "StepStats"]
 
@@ -23,7 +23,12 @@ class StepAbortedError(RuntimeError):
 
 
 class ReplayError(RuntimeError):
-    """A recomputed unit could not be replayed exactly."""
+    """A recomputed unit could not be replayed exactly. ``unit``: the unit whose own segment cannot
+    be replayed, whatever the plan (None: not known, or not a property of the unit)."""
+
+    def __init__(self, *args: object, unit: Optional[int] = None) -> None:
+        super().__init__(*args)
+        self.unit = unit
 
 
 @dataclass

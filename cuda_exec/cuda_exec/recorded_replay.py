@@ -346,8 +346,10 @@ class _UnitRuntime:
                 f"the original forward {len(packs)}. Code the executor's torch function mode does not see "
                 "ran after the unit's module and before the next unit (most often a custom "
                 "torch.autograd.Function applied outside an nn.Module), so its replay cannot regenerate "
-                "what that code saved: call it inside an nn.Module (a unit of its own, replayed by calling "
-                "it), or plan this model without recomputation (method='milp-swap' or 'swap-all')"
+                "what that code saved. Call that code inside an nn.Module (a unit of its own, replayed by "
+                "calling it) to recompute it; a profile marks such a unit recomputable: false and its plans "
+                "never recompute it (this plan's profile did not)",
+                unit=self.unit,
             )
         values: Dict[ValueRec, torch.Tensor] = {}
         for j, vals in enumerate(seg.value_keys):

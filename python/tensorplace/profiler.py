@@ -1027,38 +1027,59 @@ def _lingering_values(unit: int, alive: Dict[int, Tuple[int, int]], last_fwd: in
 
 def _replay_step(executor_mod: Any, model: nn.Module, args: Tuple[Any, ...], loss_fn: Any, n: int,
                  backend: Any, specs: Any, dev: torch.device,
-                 allocs: Optional[Dict[int, List[int]]] = None
+                 allocs: Optional[Dict[int, List[int]]] = None, names: Sequence[str] = ()
                  ) -> Tuple[Dict[int, int], Dict[int, Dict[int, int]], Dict[int, Dict[int, Tuple[int, int]]],
-                            Optional[Dict[int, int]]]:
+                            Optional[Dict[int, int]], List[int]]:
     """The replay step (module docstring): ({unit: peak of its replay above its start},
-    StepStats.dropped_alive, StepStats.dropped_alive_values, StepStats.dropped_bytes), or
-    ({}, {}, {}, None) with a warning if the all-recompute step fails.
+    StepStats.dropped_alive, StepStats.dropped_alive_values, StepStats.dropped_bytes, the units
+    the executor cannot replay), or ({}, {}, {}, None, those units) with a warning if the step
+    fails. A unit whose own replay fails (ReplayError.unit) cannot be recomputed in any plan: it
+    is retained and the step run again (at most ``_UNREPLAYABLE_TRIES`` such units).
     ``allocs``: filled with each replay's allocation sizes."""
-    planned = executor_mod.PlannedModule(model, ["recompute"] * n, backend=backend, units=specs)
-    try:
-        _clear_grads(model)
-        gc.collect()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the executor's own warnings about this plan
-            with _memory_recording(dev) as events:
-                _run_step(planned, args, loss_fn)
-        stats = planned.last_stats
-        if stats is None:
-            return _replay_windows(events, allocs), {}, {}, None
-        return (_replay_windows(events, allocs), dict(stats.dropped_alive), dict(stats.dropped_alive_values),
-                dict(stats.dropped_bytes))
-    except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
-        warnings.warn(
-            f"the replay step (every unit recomputed) failed ({type(exc).__name__}: {exc}); the "
-            "profile has no replay_transient_bytes and lingering_bytes, and the cost model falls "
-            "back to the forward transients for replays",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return {}, {}, {}, None
-    finally:
-        planned.close()
-        _clear_grads(model)
+    unreplayable: List[int] = []
+    while True:
+        actions = ["retain" if u in unreplayable else "recompute" for u in range(n)]
+        planned = executor_mod.PlannedModule(model, actions, backend=backend, units=specs)
+        try:
+            _clear_grads(model)
+            gc.collect()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the executor's own warnings about this plan
+                with _memory_recording(dev) as events:
+                    _run_step(planned, args, loss_fn)
+            stats = planned.last_stats
+            if stats is None:
+                return _replay_windows(events, allocs), {}, {}, None, unreplayable
+            return (_replay_windows(events, allocs), dict(stats.dropped_alive), dict(stats.dropped_alive_values),
+                    dict(stats.dropped_bytes), unreplayable)
+        except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
+            unit = getattr(exc, "unit", None)
+            if (isinstance(unit, int) and 0 <= unit < n and unit not in unreplayable
+                    and len(unreplayable) < _UNREPLAYABLE_TRIES):
+                unreplayable.append(unit)
+                name = names[unit] if unit < len(names) else str(unit)
+                warnings.warn(
+                    f"unit {unit} ({name}) cannot be recomputed: the profile says so (recomputable: false) "
+                    f"and its plans retain or swap it (the replay step: {exc})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                continue
+            warnings.warn(
+                f"the replay step (every unit recomputed) failed ({type(exc).__name__}: {exc}); the "
+                "profile has no replay_transient_bytes and lingering_bytes, and the cost model falls "
+                "back to the forward transients for replays",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return {}, {}, {}, None, unreplayable
+        finally:
+            planned.close()
+            _clear_grads(model)
+
+
+#: units the replay step sets aside as not recomputable, at most (then it gives up)
+_UNREPLAYABLE_TRIES = 8
 
 
 def _executor_costs(dev: torch.device, backend: Any) -> Optional[Dict[str, float]]:
@@ -1391,8 +1412,8 @@ def profile_model(
             plain_runs.append(_timed_plain_step(model, args, loss_fn, clock))
         # The replay step.
         replay_allocs: Dict[int, List[int]] = {}
-        replays, alive, alive_values, dropped = _replay_step(executor_mod, model, args, loss_fn, n, backend,
-                                                             specs, dev, replay_allocs)
+        replays, alive, alive_values, dropped, unreplayable = _replay_step(
+            executor_mod, model, args, loss_fn, n, backend, specs, dev, replay_allocs, [r.name for r in records])
         _clear_grads(model)
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
         # The optimizer step, per unit (on copies).
@@ -1440,6 +1461,8 @@ def profile_model(
         })
         if scopes[i] is not None:
             out_units[-1]["glue_scope"] = [int(scopes[i][0]), int(scopes[i][1])]
+        if i in unreplayable:
+            out_units[-1]["recomputable"] = False
         if host_fwd is not None:
             out_units[-1]["fwd_host_time"] = scale * statistics.median(run[i] for run in host_fwd)
             out_units[-1]["bwd_host_time"] = scale * statistics.median(run[i] for run in host_bwd)

@@ -1135,6 +1135,9 @@ fn simulate<E: MemoryEvents>(
 ) -> Option<Outcome> {
     assert_eq!(actions.len(), g.n, "one action per unit");
     assert_eq!(starts.len(), g.n, "one segment flag per unit");
+    // A unit the executor cannot replay is retained where the plan says recompute.
+    let runnable = g.recomputable_plan(actions);
+    let actions: &[Action] = runnable.as_deref().unwrap_or(actions);
     let n = g.n;
     // Swapped parameters and optimizer state are on the host when the step starts; when each
     // prefetch is issued (crate::state_swap).

@@ -254,6 +254,8 @@ fn finish(
     lb: u64,
     alloc_conf: Option<&str>,
 ) -> Result<Plan> {
+    // what the executor runs: a unit it cannot replay retained where the method said recompute
+    let actions = g.recomputable_plan(&actions).unwrap_or(actions);
     let outcome = evaluate_with_swaps(g, &actions, starts, swaps, budget, eval, &mut Scratch::new(g.n), true);
     if !outcome.feasible {
         let swapping = swaps.any(g) || (method == "tensile" && crate::methods::tensile::swappable(g));

@@ -1,5 +1,6 @@
 //! The Profile: one measured training step cut into units (docs/formats.md).
 
+use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::versioned::read_versioned;
 use serde::{Deserialize, Serialize};
@@ -127,6 +128,12 @@ pub struct Unit {
     /// (`rng_state_bytes` of the profile). Absent: false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub random: bool,
+    /// False: the executor cannot replay the unit (the profiler's replay step found code in its
+    /// segment that it cannot record, such as a custom autograd Function applied outside a
+    /// module). A plan never recomputes it: the cost model and the planner retain it where a plan
+    /// says recompute. Absent: true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recomputable: Option<bool>,
     /// Saved tensors its segment makes (of any owner): the executor's hooks handle each one when
     /// the unit's action moves them (docs/cost-model.md, "Host time"). Absent: 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -311,6 +318,10 @@ pub struct Graph {
     /// holds `rng_state` bytes from its start to its replay).
     pub random: Vec<bool>,
     pub rng_state: u64,
+    /// Per unit, the profile says the executor cannot replay it (`recomputable: false`); whether
+    /// any unit is so.
+    pub no_recompute: Vec<bool>,
+    pub any_no_recompute: bool,
     /// Per unit: saved tensors its segment makes, storages of its activations, glue calls of its
     /// segment (as f64: the host costs multiply them), the units of the module call holding its
     /// glue (`Some((usize::MAX, usize::MAX))`: none; None: no glue).
@@ -412,6 +423,15 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// `actions` as the executor runs them: a unit it cannot replay is retained where they say
+    /// recompute (None: no unit is changed).
+    pub fn recomputable_plan(&self, actions: &[Action]) -> Option<Vec<Action>> {
+        if !self.any_no_recompute || !actions.iter().zip(&self.no_recompute).any(|(&a, &no)| no && a == Action::Recompute) {
+            return None;
+        }
+        Some(actions.iter().zip(&self.no_recompute).map(|(&a, &no)| if no && a == Action::Recompute { Action::Retain } else { a }).collect())
+    }
+
     /// Position of a stage in the step (and in an outcome's curve): forward stage i is i,
     /// backward stage i is 2n-1-i, the whole optimizer step or the k-th optimizer stage 2n+k.
     pub fn stage_index(&self, stage: crate::evaluator::Stage) -> usize {
@@ -892,6 +912,8 @@ impl Profile {
             out_saved: self.units.iter().map(|u| u.output_saved).collect(),
             held: u64s(&|u| u.held_input_bytes),
             random: self.units.iter().map(|u| u.random).collect(),
+            no_recompute: self.units.iter().map(|u| u.recomputable == Some(false)).collect(),
+            any_no_recompute: self.units.iter().any(|u| u.recomputable == Some(false)),
             rng_state: self.rng_state_bytes.unwrap_or(0),
             packs: self.units.iter().map(|u| u.packs.unwrap_or(0) as f64).collect(),
             act_storages: self

@@ -105,7 +105,7 @@ fn outcome_json(o: &Outcome) -> serde_json::Value {
 #[pyfunction]
 fn profile_graph(profile_json: &str) -> PyResult<String> {
     let g = parse_profile(profile_json)?.graph().map_err(to_py)?;
-    Ok(json!({
+    let mut graph = json!({
         "n": g.n, "constant": g.constant, "d2h": g.d2h, "h2d": g.h2d, "copy_engines": g.copy_engines,
         "fwd_time": g.fwd_time, "bwd_time": g.bwd_time, "act": g.act, "out": g.out, "out_saved": g.out_saved,
         "held": g.held, "random": g.random, "rng_state": g.rng_state, "held_from": g.held_from, "saved_from": g.saved_from, "block_start": g.block_start,
@@ -121,8 +121,10 @@ fn profile_graph(profile_json: &str) -> PyResult<String> {
         "costs": {"segment": g.costs.segment, "drop": g.costs.drop, "swap": g.costs.swap,
                   "swap_async": g.costs.swap_async.unwrap_or(g.costs.swap), "inline_bytes": g.costs.inline_bytes,
                   "tracked_op": g.costs.tracked_op},
-    })
-    .to_string())
+    });
+    // (a key of its own: one more in the literal exceeds the json! macro's recursion limit)
+    graph["no_recompute"] = json!(g.no_recompute);
+    Ok(graph.to_string())
 }
 
 /// Validate a profile; raises PlannerError with what is wrong.

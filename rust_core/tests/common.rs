@@ -31,6 +31,7 @@ pub fn unit(name: &str, inputs: &[i64], fwd: f64, bwd: f64, act: i64) -> Unit {
         optimizer_time: None,
         optimizer_transient_bytes: None,
         random: false,
+        recomputable: None,
         packs: None,
         act_storages: None,
         glue_ops: None,

@@ -139,3 +139,39 @@ fn modnn_scaling_halves_activations_not_gradients() {
     assert_eq!(q.memory.parameters, p.memory.parameters);
     assert_eq!(q.memory.workspace, p.memory.workspace + grads as u64);
 }
+
+#[test]
+fn a_unit_the_executor_cannot_replay_is_never_recomputed() {
+    let mut p = bundled("resnet50");
+    let fixed = [3usize, 10, 11];
+    for &u in &fixed {
+        p.units[u].recomputable = Some(false);
+    }
+    let g = p.graph().unwrap();
+    let opts = EvalOptions::default();
+    // the cost model retains it where a plan says recompute
+    let all = vec![Action::Recompute; g.n];
+    let mut runnable = all.clone();
+    for &u in &fixed {
+        runnable[u] = Action::Retain;
+    }
+    let budget = budget_at(&p, 0.5);
+    let (a, b) = (
+        evaluate(&g, &all, budget, &opts, &mut Scratch::new(g.n), false),
+        evaluate(&g, &runnable, budget, &opts, &mut Scratch::new(g.n), false),
+    );
+    assert_eq!((a.step_time, a.peak_bytes, a.feasible), (b.step_time, b.peak_bytes, b.feasible));
+    // and no method's plan recomputes it
+    let mut s = PlanSettings::default();
+    s.pso.particles = 40;
+    s.pso.iterations = 10;
+    for m in ["pso", "recompute-all", "checkpoint-blocks", "sqrt", "capuchin", "superneurons", "tensile", "delta"] {
+        for frac in [0.1, 0.5] {
+            match make_plan(&p, budget_at(&p, frac), m, &s, |_, _| {}) {
+                Ok(plan) => assert!(fixed.iter().all(|&u| plan.actions[u] != Action::Recompute), "{m} {frac}"),
+                Err(CoreError::NoFeasiblePlan { .. }) => {}
+                Err(e) => panic!("{m}: {e}"),
+            }
+        }
+    }
+}

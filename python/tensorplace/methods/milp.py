@@ -91,6 +91,7 @@ class _Graph:
     linger_until: List[int]  # stage index (inclusive) until which lingering bytes stay
     last_fwd: List[int]
     busy_until: List[int]  # stage index until which the forward may reference its activations
+    no_recompute: List[bool]  # the executor cannot replay the unit (profile's recomputable: false)
     first_need: List[Optional[int]]  # stage index of the first backward reader
     last_use: List[Optional[int]]  # stage index of the last backward reader
     needs: List[List[int]]  # per unit i: the units whose activations B(i) reads, largest first
@@ -124,6 +125,7 @@ def _graph(profile_text: str) -> _Graph:
         out_saved=[bool(v) for v in d["out_saved"]],
         held=[int(b) for b in d["held"]],
         random=[bool(v) for v in d.get("random", [False] * n)],
+        no_recompute=[bool(v) for v in d.get("no_recompute", [False] * n)],
         rng_state=int(d.get("rng_state", 0)),
         held_from=[[(int(p), int(b)) for p, b in hf] for hf in d["held_from"]],
         saved_from=[[(int(p), int(b)) for p, b in sf] for sf in d["saved_from"]],
@@ -499,15 +501,18 @@ def build(
     prefetch_rows: Dict[int, Dict[int, float]] = {}
     counts = {"swap_candidates": 0, "recompute_candidates": 0}
     for u in range(n):
-        lf, fn, lu, bu = g.last_fwd[u], g.first_need[u], g.last_use[u], g.busy_until[u]
+        fn, lu, bu = g.first_need[u], g.last_use[u], g.busy_until[u]
         act = float(g.act[u])
         can_swap = allow_swap and g.act[u] > 0 and fn is not None and bu + 1 <= min(bu + 1 + swap_window, fn)
-        if not can_swap and not allow_recompute:
-            base[bu + 1 : lf + 1] += act  # retained, as before its last forward reader
+        can_recompute = allow_recompute and not g.no_recompute[u]
+        if not can_swap and not can_recompute:
+            # retained: resident after the forward until its last backward reader (as the retain
+            # column below)
+            base[bu + 1 : (S - 1 if lu is None else lu) + 1] += act
             continue
         r = m.col(integer=True)
         w = m.col(integer=True, cost=g.swap_host[u] if g.swap_host else 0.0) if can_swap else None
-        c = m.col(integer=True) if allow_recompute else None
+        c = m.col(integer=True) if can_recompute else None
         U[u] = _Unit(r=r, w=w, c=c)
         one = {r: 1.0}
         if w is not None:
@@ -593,6 +598,8 @@ def build(
     if allow_recompute:
         can_rec = [u in U and U[u].c is not None for u in range(n)]
         for s, e in _intervals(g, choose_starts, max_segment):
+            if not all(can_rec[u] for u in range(s, e + 1)):
+                continue  # a unit of it cannot be recomputed (nor a segment containing it)
             fixed: Dict[int, bool] = {}
             if not choose_starts:  # a run is split only at a default start
                 if s > 0 and not g.block_start[s]:
@@ -631,8 +638,8 @@ def build(
                     m.row({hp: 1.0, x: -1.0, cp: -1.0}, -1.0, np.inf)
                     memc(hp)[u : S - u] += b
         for u, v in U.items():
-            assert v.c is not None
-            m.row({v.c: 1.0, **{x: -1.0 for x in segs.covering.get(u, [])}}, 0.0, 0.0)
+            if v.c is not None:
+                m.row({v.c: 1.0, **{x: -1.0 for x in segs.covering.get(u, [])}}, 0.0, 0.0)
     # A swapped input that a replay needs and that is not on the device is prefetched then (a
     # stall; its bytes stay until its last reader, or leave after the replay when that has run).
     # One whose prefetch was issued before has to have arrived: what its copy still has to do
