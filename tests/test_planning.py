@@ -92,6 +92,9 @@ def test_a_budget_below_the_lower_bound_names_it(plain20):
         tp.plan_profile(plain20, lb - 1)
     smallest = e.value.args[1]
     assert str(lb) in str(e.value) and smallest >= lb and str(smallest) in str(e.value)
+    # printed as its message alone (not the (message, budget) pair), the budget named
+    assert str(e.value) == e.value.args[0] and str(e.value).startswith("budget ")
+    assert e.value.smallest_budget == smallest
     assert tp.plan_profile(plain20, smallest, particles=20, iterations=5).predicted["feasible"]
 
 

@@ -38,6 +38,15 @@ from .planning import (
     unplanned_peak,
 )
 
+# BudgetError is raised with (message, smallest budget known to work): print the message alone,
+# and name the budget
+BudgetError.__str__ = lambda self: str(self.args[0]) if self.args else ""  # type: ignore[method-assign]
+BudgetError.smallest_budget = property(  # type: ignore[attr-defined]
+    lambda self: int(self.args[1]) if len(self.args) > 1 and self.args[1] is not None else None,
+    doc="The smallest budget (bytes) a known plan meets, or None.",
+)
+
+
 __all__ = [
     "accumulate",
     "compiled",

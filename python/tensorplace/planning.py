@@ -279,7 +279,7 @@ def plan_profile(
     seconds to a relative gap of `mip_gap` (docs/methods.md); with `choose_starts` the MILP also
     chooses where its runs of recomputed units are split into checkpoint segments (the plan's
     ``segment_starts``; "exhaustive-segments" does too, every other method keeps the profile's
-    default starts). Raises `BudgetError` (with the smallest budget known to work in `args[1]`)
+    default starts). Raises `BudgetError` (with the smallest budget known to work in `smallest_budget`, also `args[1]`)
     when the budget cannot be met.
 
     PSO (`particles` x `iterations`, `seed`; deterministic for a seed whatever `threads`) polishes
