@@ -279,8 +279,8 @@ def plan_profile(
     seconds to a relative gap of `mip_gap` (docs/methods.md); with `choose_starts` the MILP also
     chooses where its runs of recomputed units are split into checkpoint segments (the plan's
     ``segment_starts``; "exhaustive-segments" does too, every other method keeps the profile's
-    default starts). Raises `BudgetError` (with the smallest budget known to work in `smallest_budget`, also `args[1]`)
-    when the budget cannot be met.
+    default starts). Raises `BudgetError` (the smallest budget known to work in its
+    `smallest_budget`, also `args[1]`) when the budget cannot be met.
 
     PSO (`particles` x `iterations`, `seed`; deterministic for a seed whatever `threads`) polishes
     its best plans by local search, then runs `restarts` more swarms of ``max(particles // 8, 1)``
