@@ -419,6 +419,15 @@ def test_a_unit_whose_glue_cannot_be_replayed_is_never_recomputed():
     assert_trains_alike(model, trained, ref, x, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1), steps=2)
     trained.close()
 
+    # nor does DELTA's runtime policy given the profile
+    delta = tp.run(model, tp.delta(2**40, profile=probe.profile))
+    for _ in range(2):
+        delta(x).sum().backward()
+    assert delta.last_stats.recomputable[0] is False and any(delta.last_stats.recomputable[1:])
+    delta.close()
+    for p in model.parameters():
+        p.grad = None
+
     # a plan of a profile that does not say so: its first step fails cleanly and says what to do
     blind = copy.deepcopy(probe.profile)
     del blind["units"][0]["recomputable"]

@@ -442,7 +442,7 @@ class _Policy:
         """Unit ``u``'s segment ended: bind the inputs its replay would need, or pin it."""
         st = self.st
         rt = st.runtimes.get(u)
-        ok = rt is not None and seg is not None and u not in self.pinned
+        ok = rt is not None and seg is not None and u not in self.pinned and st.names[u] not in self.ex.not_recomputable
         recs: List[Tuple[_LazySlot, _Saved]] = []
         if ok:
             assert seg is not None
@@ -780,7 +780,8 @@ class DeltaExecutor(Executor):
     profile's ``act_bytes``, unsaved ``output_bytes`` and ``fwd_transient_bytes``), for the wait
     that keeps a stage within the budget. ``constant_bytes``: on CPU, bytes the counter cannot
     see that the budget counts (optimizer state). ``memory_counter``: a function returning the device bytes in use, instead of
-    live_memory.py's counter."""
+    live_memory.py's counter. ``not_recomputable``: names of units never to recompute (a
+    profile's ``recomputable: false``)."""
 
     def __init__(
         self,
@@ -796,6 +797,7 @@ class DeltaExecutor(Executor):
         stage_bytes: Optional[Mapping[str, int]] = None,
         constant_bytes: int = 0,
         memory_counter: Optional[Callable[[], int]] = None,
+        not_recomputable: Iterable[str] = (),
         adaptive: bool = True,
         headroom: int = 0,
         verify: Optional[bool] = None,
@@ -820,6 +822,8 @@ class DeltaExecutor(Executor):
         self.profile_times = dict(unit_times) if unit_times else {}
         self.stage_bytes = {str(k): int(v) for k, v in (stage_bytes or {}).items()}
         self.constant_bytes = int(constant_bytes)
+        #: names of units a profile says the executor cannot replay: never recomputed
+        self.not_recomputable = frozenset(str(n) for n in not_recomputable)
         self._memory_counter = memory_counter
         self._counter: Optional[LiveMemory] = None
         #: per forward stage, how far the counter rose above the stage's start in the last step

@@ -32,12 +32,14 @@ class DeltaRuntime:
     stage_bytes: Dict[str, int] = field(default_factory=dict)
     constant_bytes: int = 0
     memory_counter: Optional[Callable[[], int]] = None
+    not_recomputable: Tuple[str, ...] = ()
 
     def executor_kwargs(self) -> Dict[str, Any]:
         return dict(threshold=self.threshold, prefetch_depth=self.prefetch_depth,
                     prefetch_lookahead=self.prefetch_lookahead, headroom=self.headroom, bandwidth=self.bandwidth,
                     unit_times=dict(self.unit_times), stage_bytes=dict(self.stage_bytes),
-                    constant_bytes=self.constant_bytes, memory_counter=self.memory_counter)
+                    constant_bytes=self.constant_bytes, memory_counter=self.memory_counter,
+                    not_recomputable=self.not_recomputable)
 
 
 def delta(
@@ -64,13 +66,14 @@ def delta(
 
     ``profile``: a Profile (``tensorplace.profiler.profile_model``, or ``plan.profile``) whose
     units' ``fwd_time`` and copy bandwidths the director uses, and whose units' stage bytes
-    (activations, unsaved output, transient peak) the wait for swap-outs before a stage uses;
-    without one, unit times are measured in each step's forward and the bandwidth once from the
+    (activations, unsaved output, transient peak) the wait for swap-outs before a stage uses, and
+    whose units marked ``recomputable: false`` the policy never recomputes; without one, unit times are measured in each step's forward and the bandwidth once from the
     backend. ``bandwidth``: (d2h, h2d) bytes/s, overriding both. ``constant_bytes``: on CPU, bytes the budget counts that
     the executor cannot see (optimizer state). ``memory_counter``: a function returning the device
     bytes in use, replacing the built-in counter (cuda_exec/cuda_exec/live_memory.py)."""
     times: Dict[str, float] = {}
     stage: Dict[str, int] = {}
+    fixed: Tuple[str, ...] = ()
     bw = bandwidth
     if profile is not None:
         times = {str(u["name"]): float(u["fwd_time"]) for u in profile.get("units", [])}
@@ -78,12 +81,13 @@ def delta(
 
         stage = {str(u["name"]): fwd_stage_alloc_bytes(u) + int(u.get("fwd_transient_bytes", 0))
                  for u in profile.get("units", [])}
+        fixed = tuple(str(u["name"]) for u in profile.get("units", []) if u.get("recomputable") is False)
         if bw is None and profile.get("d2h_bandwidth") and profile.get("h2d_bandwidth"):
             bw = (float(profile["d2h_bandwidth"]), float(profile["h2d_bandwidth"]))
     if not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"threshold must be in (0, 1] (DELTA's is 0.75), got {threshold!r}")
     return DeltaRuntime(parse_budget(budget), float(threshold), int(prefetch_depth), int(prefetch_lookahead),
-                        int(headroom), bw, times, stage, int(constant_bytes), memory_counter)
+                        int(headroom), bw, times, stage, int(constant_bytes), memory_counter, fixed)
 
 
 def delta_from_plan(plan: Any, **overrides: Any) -> DeltaRuntime:
