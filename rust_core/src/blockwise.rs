@@ -27,7 +27,6 @@
 //! profiles of docs/methods.md's table (all smaller) the search over every unit finds plans as fast
 //! or faster, at a cost that grows about as units^2.5 (docs/benchmarks.md has both measured).
 
-use crate::threads::Threads;
 use crate::action::Action;
 use crate::error::{CoreError, Result};
 use crate::evaluator::{EvalOptions, Score};
@@ -35,6 +34,7 @@ use crate::polish::{Memos, Polisher};
 use crate::profile::Graph;
 use crate::pso::{pipeline, Phase, PsoSettings, Trace};
 use crate::space::Space;
+use crate::threads::Threads;
 use std::time::Instant;
 
 /// By default, profiles of more units than this with repeated blocks are searched block-wise;

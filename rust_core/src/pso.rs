@@ -28,9 +28,9 @@ use crate::incremental::{Context, Worker};
 use crate::polish::{add_distinct, Memos, Polisher};
 use crate::profile::Graph;
 use crate::space::Space;
+use crate::threads::Threads;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use crate::threads::Threads;
 use std::time::Instant;
 
 #[derive(Debug, Clone, PartialEq)]

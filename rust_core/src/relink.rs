@@ -14,12 +14,12 @@
 //! polished plan joins the others. At most `polishes` polishes. Every step is evaluated in
 //! order, so the result and the evaluation count do not depend on the thread count.
 
-use crate::threads::Threads;
 use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
 use crate::polish::{add_distinct, Memos, Polisher};
 use crate::profile::Graph;
 use crate::space::Space;
+use crate::threads::Threads;
 
 /// How many of the best polished plans the walks run between.
 pub const POOL: usize = 8;
