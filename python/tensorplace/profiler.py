@@ -27,8 +27,11 @@ What one profile call runs, all on the user's model and inputs, in training mode
    measured: `replay_transient_bytes` is that peak minus the unit's `act_bytes` (for the units
    the step replays). And the executor reports which dropped tensors the forward's own code still
    held at each stage boundary (`StepStats.dropped_alive`: a local variable of an enclosing
-   module keeps a tensor past its last reader): `lingering_bytes` / `lingering_until`. If the
-   step fails (a unit that cannot be replayed), these fields are left out, with a warning.
+   module keeps a tensor past its last reader): `lingering_bytes` / `lingering_until`. A unit
+   whose own replay fails (code after its module the executor cannot record, such as a custom
+   autograd Function applied outside a module) is retained and the step run again; the profile
+   marks it `recomputable: false`, and no plan recomputes it. If the step fails otherwise, these
+   fields are left out, with a warning.
 5. The **steady replay step**: the profile's all-recompute plan (`recompute-all`, the default
    segments) trained through the executor for two steps, the second under the memory recorder.
    That step is what a user's steps are: it replays a segment by calling its modules again,
@@ -878,7 +881,7 @@ class _Instruments:
             return
         if torch._C._current_graph_task_id() != -1:
             # the autograd engine runs this module: the model recomputes it itself
-            # (torch.utils.checkpoint); check_no_backward_calls says so
+            # (torch.utils.checkpoint); _check_no_backward_calls says so
             self.in_backward.append(self.unit_map[module])
             return
         self._depth += 1
