@@ -170,7 +170,7 @@ class _PlanTracker(UnitTracker):
             return
         st = self.state
         rt.grad_enabled = torch.is_grad_enabled()
-        if index >= len(st.run_start) or st.run_start[index] == index:
+        if (index >= len(st.run_start) or st.run_start[index] == index) and self._run_may_draw(index):
             # the generators once per checkpoint segment, at its start (its replay sets them once
             # and runs its units in order); dropped at its end if its forward drew nothing
             rt.rng_cpu = torch.get_rng_state()
@@ -184,6 +184,11 @@ class _PlanTracker(UnitTracker):
                     rt.autocast.append((dev, True, torch.get_autocast_dtype(dev)))
             except (RuntimeError, TypeError):  # pragma: no cover - device type unsupported
                 pass
+
+    def _run_may_draw(self, first: int) -> bool:
+        """Whether the checkpoint segment starting at unit ``first`` may draw random numbers in its
+        forward (its replay then restores the generators): not known in the learning step."""
+        return True
 
     def end_run_before(self, index: int) -> None:
         """Unit ``index`` starts (``index`` = the number of units: the forward ended). If the unit

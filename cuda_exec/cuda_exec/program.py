@@ -136,6 +136,8 @@ class Program:
     #: per pack: the view of the tensor it swapped in the steady steps so far (made at the first,
     #: checked at every later one), so that a step makes no new ViewMeta for a swapped pack
     metas: List[Optional[ViewMeta]] = field(default_factory=list)
+    #: per unit: its segment drew random numbers in the learning step
+    random: List[bool] = field(default_factory=list)
 
     @property
     def swaps(self) -> int:
@@ -429,7 +431,7 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
             post[id(m)] = m
     shared = frozenset(f for k, f in enumerate(table.first) if f != k)
     return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
-                   entry_args, shared, hooked_out, [None] * len(acts))
+                   entry_args, shared, hooked_out, [None] * len(acts), aligner.random)
 
 
 def _chained(table: _Table, u: int, starts: Dict[int, Event]) -> bool:
