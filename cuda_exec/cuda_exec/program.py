@@ -136,8 +136,9 @@ class Program:
     #: per pack: the view of the tensor it swapped in the steady steps so far (made at the first,
     #: checked at every later one), so that a step makes no new ViewMeta for a swapped pack
     metas: List[Optional[ViewMeta]] = field(default_factory=list)
-    #: per unit: its segment drew random numbers in the learning step
-    random: List[bool] = field(default_factory=list)
+    #: first units of the checkpoint segments whose forward drew random numbers in the learning
+    #: step (their replays restore the generators)
+    draws: FrozenSet[int] = frozenset()
 
     @property
     def swaps(self) -> int:
@@ -430,8 +431,9 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
             m = table.calls[table.unit_call[u]].module
             post[id(m)] = m
     shared = frozenset(f for k, f in enumerate(table.first) if f != k)
+    draws = frozenset(first for first, last in runs if any(aligner.random[u] for u in range(first, last + 1)))
     return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
-                   entry_args, shared, hooked_out, [None] * len(acts), aligner.random)
+                   entry_args, shared, hooked_out, [None] * len(acts), draws)
 
 
 def _chained(table: _Table, u: int, starts: Dict[int, Event]) -> bool:

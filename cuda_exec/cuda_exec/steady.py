@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -46,10 +46,10 @@ class _ScopedTracker(_PlanTracker):
     owners of tensors made outside those segments) comes from the table, by order; what it
     decides at each pack is checked against the table."""
 
-    def __init__(self, ex: "Executor", state: _StepState, table: _Table, random: List[bool]) -> None:
+    def __init__(self, ex: "Executor", state: _StepState, table: _Table, draws: FrozenSet[int]) -> None:
         super().__init__(ex, state)
         self.table = table
-        self.random = random  #: per unit, its segment drew random numbers in the learning step
+        self.draws = draws  #: first units of the segments that drew random numbers (Program.draws)
         self._param_ptrs = {t.untyped_storage().data_ptr() for t in ex._params}
         self._k = -1  #: the pack being made
         self._taken: Dict[int, int] = {}  #: recomputed unit -> input decisions taken so far
@@ -143,13 +143,7 @@ class _ScopedTracker(_PlanTracker):
     def _run_may_draw(self, first: int) -> bool:
         # as the learning step found (aligned segments decide alike: program.AlignedSegment):
         # the generators' state (5 KB on a CPU, device memory there) is kept only where needed
-        st = self.state
-        u = first
-        while u < len(st.run_start) and st.run_start[u] == first:
-            if u < len(self.random) and self.random[u]:
-                return True
-            u += 1
-        return False
+        return first in self.draws
 
     def on_segment_value(self, segment: Segment, index: int, tensor: torch.Tensor) -> None:
         pass  # prefetch stages are hooked by the lean step
@@ -220,7 +214,7 @@ class _SteadyStep:
         #: the prefetch stage whose unit's outputs were hooked last, and those outputs (weakly:
         #: the step must not keep a tensor alive longer than the model does)
         self.hooked: Tuple[int, List["weakref.ReferenceType[torch.Tensor]"]] = (-1, [])
-        self.tracker = _ScopedTracker(ex, state, program.table, program.random) if program.any_tracked else None
+        self.tracker = _ScopedTracker(ex, state, program.table, program.draws) if program.any_tracked else None
         self.scoped = False  #: a tracked segment runs (the tracker is on)
         self.frames: List[Optional[SegmentFrame]] = [None] * len(program.segments)
         self.acts = program.acts

@@ -67,8 +67,8 @@ def delta(
     ``profile``: a Profile (``tensorplace.profiler.profile_model``, or ``plan.profile``) whose
     units' ``fwd_time`` and copy bandwidths the director uses, and whose units' stage bytes
     (activations, unsaved output, transient peak) the wait for swap-outs before a stage uses, and
-    whose units marked ``recomputable: false`` the policy never recomputes; without one, unit times are measured in each step's forward and the bandwidth once from the
-    backend. ``bandwidth``: (d2h, h2d) bytes/s, overriding both. ``constant_bytes``: on CPU, bytes the budget counts that
+    whose units marked ``recomputable: false`` the policy never recomputes; without one, unit
+    times are measured in each step's forward and the bandwidth once from the backend. ``bandwidth``: (d2h, h2d) bytes/s, overriding both. ``constant_bytes``: on CPU, bytes the budget counts that
     the executor cannot see (optimizer state). ``memory_counter``: a function returning the device
     bytes in use, replacing the built-in counter (cuda_exec/cuda_exec/live_memory.py)."""
     times: Dict[str, float] = {}

@@ -41,8 +41,8 @@ pub mod pso;
 pub mod recipes;
 pub mod reserved;
 pub mod space;
-pub mod threads;
 pub mod state_swap;
+pub mod threads;
 pub mod versioned;
 
 #[cfg(feature = "python")]
