@@ -736,6 +736,43 @@ def test_the_forward_holding_a_dropped_tensor_is_reported() -> None:
     planned.close()
 
 
+class _DetachedBranch(nn.Module):
+    """Activations saved as outputs (tanh, ReLU), and a branch whose graph the forward lets go of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) + torch.relu(self.b(x)).detach()
+        return self.d(torch.tanh(self.c(h)))
+
+
+@pytest.mark.parametrize("plan", [["retain"] * 4, ["swap"] * 4, ["recompute"] * 4, ["swap", "retain", "swap", "retain"],
+                                  ["recompute", "retain", "recompute", "retain"], ["recompute", "swap", "recompute", "retain"]])
+def test_no_step_leaves_device_memory_behind(plan: List[str]) -> None:
+    """A saved output arrives at the pack hook with its node as grad_fn; kept as it is, the two
+    keep each other alive wherever the backward does not release them: a graph the forward lets
+    go of, a forward without backward, ``backward(retain_graph=True)`` (every such step leaked
+    the retained outputs of its armed spans, and the learning step more)."""
+    torch.manual_seed(0)
+    model, x = _DetachedBranch(), torch.randn(8, 16)
+
+    def life() -> None:
+        planned = PlannedModule(model, plan, backend=CpuBackend())
+        for k in range(3):
+            planned(x).square().mean().backward()  # the detached branch's graph dies in the forward
+            planned(x).square().mean().backward(retain_graph=True)  # the graph is dropped unreleased
+            planned(x)  # a forward without backward
+            model.zero_grad(set_to_none=True)
+        planned.close()
+        del planned
+        gc.collect()
+
+    _, trace = measure_peak(life)
+    assert trace.final_bytes == 0, trace
+
+
 def test_measure_peak_counts_allocations() -> None:
     def f() -> None:
         a = torch.empty(1 << 20, dtype=torch.uint8)

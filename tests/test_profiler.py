@@ -124,6 +124,31 @@ def test_a_convs_saved_input_is_accounted_to_its_producer(resnet_b4):
     assert units[0]["act_bytes"] == units[0]["output_bytes"]
 
 
+def test_saved_tensors_whose_graph_the_forward_lets_go_of_are_no_activations():
+    """A branch the model detaches saves tensors (its ReLU's output) that autograd lets go of in
+    the forward: no unit holds them at the backward, so a plan that swaps or recomputes them saves
+    nothing. Counted, they raised the unit's activations above what it holds, and the transient
+    bytes measured against that count fell below what the backward allocates: swap plans measured
+    above their predicted peak (tests/test_model_patterns.py, "detached_branch")."""
+
+    class Detached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x)) + torch.relu(self.b(x)).detach()
+            return self.c(h)
+
+    torch.manual_seed(0)
+    units = tpp.profile_model(Detached(), torch.randn(8, 16), repeats=1)["units"]
+    a, b, _c = units
+    assert a["act_bytes"] == 8 * 16 * 4  # tanh's output, saved by its backward
+    # b's output (the sum, in its glue) is saved by c; its ReLU's output died in the forward
+    assert b["act_bytes"] == b["output_bytes"] == 8 * 16 * 4 and b["act_storages"] == 1
+    assert b["read_by"] == [2]
+
+
 def test_sizes_scale_linearly_with_batch(resnet_b2, resnet_b4):
     u2, u4 = resnet_b2["units"], resnet_b4["units"]
     assert [u["name"] for u in u2] == [u["name"] for u in u4]

@@ -387,7 +387,7 @@ class _SteadyStep:
                                     "data-dependent control flow?)")
         a = acts[k]
         if a == A_RETAIN:
-            return t
+            return t.detach()  # not t: see units._kept
         if a == A_HOLD:
             s, i = self.hold[k]  # type: ignore[misc]
             frame = self.frames[s]

@@ -299,6 +299,27 @@ class PackInfo:
     in_owner_segment: bool = False
 
 
+def _kept(packed: Any, t: torch.Tensor) -> Any:
+    """What autograd keeps when a pack hook keeps the tensor itself: ``t`` detached. A saved
+    output arrives with the node that saves it as its ``grad_fn``; kept as it is, node and tensor
+    keep each other alive (a cycle through C++ that Python's collector cannot see) wherever the
+    backward does not release them: a graph the forward lets go of (a detached branch), a forward
+    without backward, ``backward(retain_graph=True)``. Detached, autograd gives the grad_fn back at
+    unpack (torch's own hooks detach for this reason)."""
+    return t.detach() if packed is t else packed
+
+
+class _WatchedPack:
+    """What autograd keeps for a saved tensor while a tracker watches whether its graph outlives
+    the forward (``UnitTracker(watch_packs=True)``): the packed object, and a weak reference's
+    target."""
+
+    __slots__ = ("packed", "__weakref__")
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
 @dataclass
 class GlueCall:
     """One torch call made by glue code, with tensors replaced by references (see Segment)."""
@@ -516,8 +537,14 @@ class UnitTracker:
         unit_modules: Optional[Dict[nn.Module, str]] = None,
         track_random: bool = False,
         record_calls: bool = False,
+        watch_packs: bool = False,
     ) -> None:
         self.model = model
+        #: count as activations only the saved tensors whose graph is still alive when the forward
+        #: returns (a detached branch's graph goes in the forward): autograd keeps a watched
+        #: wrapper of each pack (the profiler's structure step; its ``on_pack`` returns the tensor)
+        self.watch_packs = watch_packs
+        self._watched: List[Tuple[int, int, ValueRec, "weakref.ReferenceType[_WatchedPack]"]] = []
         #: record every module call (CallRecord) and per unit its call: ``calls``, ``unit_call``;
         #: ``glue_scopes()`` then says which module call encloses each unit's glue
         self.record_calls = record_calls
@@ -609,6 +636,8 @@ class UnitTracker:
             self._note_random(len(self.records))
         self._uninstall()
         if exc_type is None:
+            if self.watch_packs:
+                self._forget_released_packs()
             self._finalize()
 
     def _uninstall(self) -> None:
@@ -1103,7 +1132,7 @@ class UnitTracker:
 
     def _pack_hook(self, t: torch.Tensor) -> Any:
         if not self._active or self._busy > 0 or is_replaying():
-            return t
+            return t.detach()
         self.pack_count += 1
         self._busy += 1
         no_modes = torch._C.DisableTorchFunction()  # its own tensor calls skip the glue mode
@@ -1118,12 +1147,12 @@ class UnitTracker:
                 info = PackInfo("untracked", NO_OWNER, reader, None, None, seg_pack)
                 if seg is not None:
                     seg.packs.append((False, None))
-                return self.on_pack(t, info)
+                return _kept(self.on_pack(t, info), t)
             if self.is_param(t):
                 info = PackInfo("param", NO_OWNER, reader, None, None, seg_pack)
                 if seg is not None:
                     seg.packs.append((False, None))
-                return self.on_pack(t, info)
+                return _kept(self.on_pack(t, info), t)
             val, _new = self._register(t, self._pack_owner(reader))
             owner = val.owner
             meta = ViewMeta.of(t)
@@ -1142,13 +1171,41 @@ class UnitTracker:
                 self._readers[owner].add(reader)
             if first:
                 self.on_value_saved(val, t, info)
-            return self.on_pack(t, info)
+            out = _kept(self.on_pack(t, info), t)
+            if self.watch_packs:
+                out = _WatchedPack(out)
+                self._watched.append((owner, reader, val, weakref.ref(out)))
+            return out
         finally:
             no_modes.__exit__(None, None, None)
             self._busy -= 1
 
     def _unpack_hook(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _WatchedPack:
+            packed = packed.packed
         return self.on_unpack(packed)
+
+    def _forget_released_packs(self) -> None:
+        """With ``watch_packs``, at the forward's end: the saved tensors whose graph the forward
+        already let go of (a branch the model detaches, a value computed only to be compared)
+        are no activation of any unit; their values count as saved only through live packs."""
+        act: Dict[int, Dict[int, int]] = defaultdict(dict)
+        owned: Dict[int, int] = defaultdict(int)
+        readers: Dict[int, Set[int]] = defaultdict(set)
+        live: Set[int] = set()
+        for owner, reader, val, ref in self._watched:
+            if ref() is None:
+                continue
+            live.add(id(val))
+            if owner >= 0:
+                act[owner][val.storage_id] = val.nbytes
+                owned[owner] += 1
+                readers[owner].add(reader)
+        for _owner, _reader, val, _ref in self._watched:
+            if id(val) not in live:
+                val.saved = False
+        self._watched.clear()
+        self._act, self._owned_packs, self._readers = act, owned, readers
 
     # ---------------------------------------------------------------- results
 

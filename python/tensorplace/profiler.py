@@ -86,6 +86,7 @@ Sizes (per unit; the tracker in cuda_exec/units.py measures the structural ones)
 ---------------------------------------------------------------------------------
 - act_bytes, output_bytes, output_saved, read_by, held_input_bytes, saved_inputs, inputs,
   model_inputs, random: from the unit tracker (saved-tensor ownership by storage and version;
+  only saved tensors whose graph is still alive when the forward returns;
   `random`: the generators' state changed across the unit's segment). A checkpoint segment with a
   random unit keeps the generators' state for its replay: `rng_state_bytes` of the profile
   (`cuda_exec.executor.replay_state_bytes`: the CPU generator's state on a CPU, device memory
@@ -1364,7 +1365,8 @@ def profile_model(
         for _ in range(int(warmup) - 1):
             _run_step(model, args, loss_fn)
         # The structure step (the last warm-up step): units, ownership, edges.
-        tracker = units_mod.UnitTracker(model, unit_modules=unit_map, track_random=True, record_calls=True)
+        tracker = units_mod.UnitTracker(model, unit_modules=unit_map, track_random=True, record_calls=True,
+                                         watch_packs=True)
         _run_step(model, args, loss_fn, tracker=tracker)
         records = list(tracker.records)
         scopes = tracker.glue_scopes()

@@ -153,7 +153,7 @@ def _saved_per_unit(meta: nn.Module, unit_names: Sequence[str], specs: Sequence[
         if rows and key not in seen:
             seen.add(key)
             rows[-1][1] += t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # a forward without backward: the tensor itself would keep its node alive
 
     handles = [m.register_forward_pre_hook(pre) for m in modules] + [m.register_forward_hook(post) for m in modules]
     args = [torch.empty(s[0], dtype=getattr(torch, s[1].replace("torch.", "")), device="meta") if s is not None else None
