@@ -40,7 +40,10 @@ The actions
   one of their tensors, under saved-tensor hooks that hand each regenerated tensor to its handle;
   the generators' state (kept at the segment's start, only when its forward drew random numbers),
   autocast state and grad mode of the forward are restored, and the buffers the segment writes
-  (BatchNorm running statistics) are put back bit for bit. What a segment reads from its own units
+  are put back bit for bit after it; those it may read after writing (an EMA the forward updates,
+  spectral_norm's vectors: all but normalization layers' running statistics) are kept at the
+  segment's start and the replay starts from them (units.replay_start_state). A unit starts
+  before its module's own forward pre-hooks, which are its work, as in its replay. What a segment reads from its own units
   is regenerated; what it reads from elsewhere is held from the forward (a private copy when the
   forward writes into it later) or brought back from the host when its owner swaps it; a tensor it
   saves of another segment's unit is saved again by its own replay from the held input. Each
@@ -350,8 +353,8 @@ class Executor:
             if step is not None and not is_replaying():
                 step.call_end(module, output)
 
-        for module in program.pre_modules:
-            self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        for module in program.pre_modules:  # before the module's own pre-hooks, as the learning step
+            self._hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
         for module in program.post_modules:
             self._hooks.append(module.register_forward_hook(post_hook))
         # the hooks hold no reference to the executor; if it is dropped without close(), they go

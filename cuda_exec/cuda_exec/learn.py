@@ -14,7 +14,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .errors import PlanMismatchError
 from .recorded_replay import _InputSlot, _UnitRuntime
 from .step_state import _Entry, _Handle, _new_entry, _ReplayHandle, _StepState, _SwapHandle, _unpack_handle
-from .units import NO_OWNER, CallRecord, InputRef, PackInfo, Segment, UnitTracker, ValueRec, ViewMeta, is_replaying, model_input_position
+from .units import (NO_OWNER, CallRecord, InputRef, PackInfo, Segment, UnitTracker, ValueRec, ViewMeta, is_replaying,
+                    model_input_position, replay_start_state)
 from .verify import checksum
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ class _Table:
         self.reads: List[Tuple[int, Optional[ValueRec], int, bool]] = []
         #: per swap entry (id): the first pack of its storage
         self.entry_first: Dict[int, int] = {}
+        #: per unit: the buffers its module call writes into whose values at the call's start a
+        #: replay starts from (units.replay_start_state)
+        self.writes: Dict[int, List[torch.Tensor]] = {}
 
     def finish(self, names: List[str], tracked: List[bool]) -> "_Table":
         """``tracked``: per unit, the steady steps track its segment (a recomputed unit whose
@@ -177,6 +181,7 @@ class _PlanTracker(UnitTracker):
             devices = sorted({ref.device.index or 0 for ref in self.segments[index].inputs if ref.device.type == "cuda"})
             if devices and torch.cuda.is_available():
                 rt.rng_cuda = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+        rt.before = [(b, b.detach().clone()) for b in self._start_state(index)]
         rt.autocast = []
         for dev in ("cpu", "cuda"):
             try:
@@ -184,6 +189,34 @@ class _PlanTracker(UnitTracker):
                     rt.autocast.append((dev, True, torch.get_autocast_dtype(dev)))
             except (RuntimeError, TypeError):  # pragma: no cover - device type unsupported
                 pass
+
+    def _start_state(self, index: int) -> List[torch.Tensor]:
+        """The buffers of recomputed unit ``index`` to keep at its start for its replay: in the
+        learning step, none yet (its module call's record has them, :meth:`on_unit_writes`);
+        without one (DELTA's runtime policy), every buffer of its module that a replay may need."""
+        if self.learn is not None:
+            return []
+        module = self.segments[index].module
+        return replay_start_state(module, module.buffers())
+
+    def on_unit_writes(self, index: int, written: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        learn = self.learn
+        if learn is None:
+            return
+        keep = replay_start_state(self.calls[self.unit_call[index]].module, [b for b, _ in written])
+        learn.writes[index] = keep
+        rt = self.state.runtimes.get(index)
+        if rt is not None and keep:
+            ids = {id(b) for b in keep}
+            rt.before.extend((b, before) for b, before in written if id(b) in ids)
+
+    def on_param_write(self, segment: Segment, tensor: torch.Tensor) -> None:
+        # glue of a recomputed unit writes into a buffer (an EMA): its replay starts from the
+        # value before the first write
+        rt = self.state.runtimes.get(segment.unit)
+        if rt is not None and not rt.replayed and all(b is not tensor for b, _ in rt.before):
+            with torch.no_grad():
+                rt.before.append((tensor, tensor.detach().clone()))
 
     def _run_may_draw(self, first: int) -> bool:
         """Whether the checkpoint segment starting at unit ``first`` may draw random numbers in its

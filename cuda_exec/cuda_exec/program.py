@@ -92,6 +92,9 @@ class AlignedSegment:
     #: after the replay
     restore: List[torch.Tensor]
     holds: int  #: packs of its top calls (the replay's captures)
+    #: of ``restore``, those whose values at the segment's start the replay starts from
+    #: (units.replay_start_state)
+    start_state: List[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -291,14 +294,17 @@ class _Aligner:
         for i, call in enumerate(calls):
             call.keep = sorted(keep[i])
         restore: List[torch.Tensor] = []
+        start_state: List[torch.Tensor] = []
         seen: Set[int] = set()
         for u in in_run:
             for b in t.calls[t.unit_call[u]].mutated_buffers + self.segs[u].mutated_params:
                 if id(b) not in seen:
                     seen.add(id(b))
                     restore.append(b)
+            start_state += [b for b in t.writes.get(u, []) + self.segs[u].mutated_params
+                            if all(b is not x for x in start_state)]
         seg = AlignedSegment(index, first, last, calls, any(self.random[u] for u in in_run), restore,
-                             sum(c.packs for c in calls))
+                             sum(c.packs for c in calls), start_state)
         self.entry_args = entry_args
         return seg
 

@@ -122,6 +122,9 @@ class _UnitRuntime:
         self.rng_cuda: List[Tuple[int, torch.Tensor]] = []
         self.autocast: List[Tuple[str, bool, torch.dtype]] = []
         self.grad_enabled = True
+        #: buffers its forward wrote into, with their values at its start (put in place for the
+        #: replay; units.replay_start_state)
+        self.before: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.slot_refs: Set[int] = set()  # pack indices (in this segment) with a live handle
         self.value_refs: Counter = Counter()  # ValueRec -> live handles and chained input slots
         self.slots: Dict[int, torch.Tensor] = {}
@@ -288,6 +291,12 @@ class _UnitRuntime:
         restore: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for b in list(seg.module.buffers()) + list(seg.mutated_params):
             restore.append((b, b.detach().clone()))
+        with torch.no_grad():
+            for b, before in self.before:  # the replay starts from the forward's values
+                if all(r is not b for r, _ in restore):
+                    restore.append((b, b.detach().clone()))
+                b.data.copy_(before)
+        self.before = []
         _mark(f"R{self.unit}")
         seg_values: Dict[int, torch.Tensor] = {}
         # Every segment value is let go right after its last use in the replay (the module call,

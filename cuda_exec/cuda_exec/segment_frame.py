@@ -88,7 +88,7 @@ class SegmentFrame:
     """An aligned segment in one step (module docstring)."""
 
     __slots__ = ("spec", "_state", "holders", "values", "args", "specs", "rng_cpu", "rng_cuda", "autocast",
-                 "grad_enabled", "replayed", "released", "__weakref__")
+                 "grad_enabled", "replayed", "released", "before", "__weakref__")
 
     def __init__(self, spec: AlignedSegment, state: _StepState) -> None:
         self.spec = spec
@@ -107,6 +107,8 @@ class SegmentFrame:
         self.grad_enabled = True
         self.replayed = False
         self.released = False
+        #: the values of ``spec.start_state`` at the segment's start (the replay starts from them)
+        self.before: List[torch.Tensor] = _NONE
 
     @property
     def state(self) -> _StepState:
@@ -120,6 +122,9 @@ class SegmentFrame:
     def start(self) -> None:
         """At the segment's first top call: the states its replay restores."""
         self.grad_enabled = torch.is_grad_enabled()
+        if self.spec.start_state:
+            with torch.no_grad():
+                self.before = [b.detach().clone() for b in self.spec.start_state]
         if self.spec.random:
             self.rng_cpu = torch.get_rng_state()
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
@@ -243,6 +248,11 @@ class SegmentFrame:
             return None
 
         restore = [(b, b.detach().clone()) for b in spec.restore] if spec.restore else ()
+        if self.before:
+            with torch.no_grad():
+                for b, before in zip(spec.start_state, self.before):
+                    b.copy_(before)  # the replay starts from the forward's values
+            self.before = _NONE
         outputs: List[List[Any]] = []
         if _profiler_enabled():
             _mark(f"R{spec.first}")

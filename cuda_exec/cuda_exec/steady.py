@@ -140,6 +140,9 @@ class _ScopedTracker(_PlanTracker):
     def on_unit_start(self, index: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         self._keep_replay_state(index)  # the stage boundary and its checks are the lean step's
 
+    def _start_state(self, index: int) -> List[torch.Tensor]:
+        return self.table.writes.get(index, [])  # as the learning step found
+
     def _run_may_draw(self, first: int) -> bool:
         # as the learning step found (aligned segments decide alike: program.AlignedSegment):
         # the generators' state (5 KB on a CPU, device memory there) is kept only where needed

@@ -65,6 +65,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
@@ -297,6 +298,17 @@ class PackInfo:
     seg_pack: int = -1
     #: the owner's segment is the one saving it (the replay of that segment regenerates it in order)
     in_owner_segment: bool = False
+
+
+def replay_start_state(module: nn.Module, written: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """Of the buffers (or parameters) ``written`` that ``module``'s forward writes into, those a
+    replay of it must start from as its forward did (kept at the forward's start, put in place
+    before the replay): all but the running statistics of normalization layers in training mode,
+    which their forward writes and never reads. An EMA the forward updates and then uses, or
+    spectral_norm's power-iteration vectors, replayed from their updated values, would regenerate
+    other tensors than the forward saved."""
+    norm = {id(b) for m in module.modules() if isinstance(m, _NormBase) and m.training for b in m.buffers(recurse=False)}
+    return [b for b in written if id(b) not in norm]
 
 
 def _kept(packed: Any, t: torch.Tensor) -> Any:
@@ -608,6 +620,11 @@ class UnitTracker:
             if _is_plain(t)
         }
         try:
+            # A unit starts before the module's own forward pre-hooks run (prepend): what they do
+            # (spectral_norm's power iteration, weight_norm's weight) is the unit's, as in its
+            # replay, which calls the module, hooks and all.
+            for module in self.unit_modules:
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
             if self.record_calls:  # a call starts before the unit hooks (prepend) see it, after the
                 for module in self.model.modules():  # model inputs' hook (below) registered them
                     self._handles.append(module.register_forward_pre_hook(self._call_start, with_kwargs=True,
@@ -616,7 +633,6 @@ class UnitTracker:
                 self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True, prepend=True)
             )
             for module in self.unit_modules:
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
             if self.record_calls:  # a call ends after the unit hooks registered its outputs
                 for module in self.model.modules():
@@ -689,6 +705,13 @@ class UnitTracker:
 
     def on_segment_value(self, segment: Segment, index: int, tensor: torch.Tensor) -> None:
         """A segment produced a new tensor object (a unit output or a glue result)."""
+
+    def on_param_write(self, segment: Segment, tensor: torch.Tensor) -> None:
+        """A glue call of ``segment`` is about to write into a parameter or buffer."""
+
+    def on_unit_writes(self, index: int, written: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """(``record_calls``) Unit ``index``'s module call wrote into its buffers ``written``
+        (each with a copy of its value before the call)."""
 
     def on_input_mutated(self, segment: Segment, ref: InputRef) -> None:
         """The segment's unit or glue wrote into an input it read (after :meth:`on_input`)."""
@@ -894,9 +917,12 @@ class UnitTracker:
             rec.out_views = [ViewMeta.of(x) if v is not None else None for x, v in zip(outs, rec.out_values)]
             rec.out_ids = [id(x) if isinstance(x, torch.Tensor) else None for x in outs]
             with torch.no_grad():
-                rec.mutated_buffers = [b for b, before in rec.buffers
-                                       if b.shape != before.shape or not torch.equal(b, before)]
+                written = [(b, before) for b, before in rec.buffers
+                           if b.shape != before.shape or not torch.equal(b, before)]
+            rec.mutated_buffers = [b for b, _ in written]
             rec.buffers = []
+            if written and rec.unit >= 0:
+                self.on_unit_writes(rec.unit, written)
         finally:
             no_modes.__exit__(None, None, None)
             self._busy -= 1
@@ -1073,6 +1099,8 @@ class UnitTracker:
                     if not isinstance(leaf, torch.Tensor):
                         refs.append(("lit", leaf))
                         continue
+                    if written and id(leaf) in written and self.is_param(leaf):
+                        self.on_param_write(seg, leaf)
                     j = self._seg_value_index(leaf)
                     refs.append(
                         ("seg", j) if j is not None

@@ -10,7 +10,7 @@ smallest budget it names does plan and fit when measured.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,13 +26,21 @@ def _measured_step(module: Any, inputs: Sequence[Any], loss_fn: Callable[[Any], 
 
 
 def _grads(module: Any, params: Sequence[torch.nn.Parameter], inputs: Sequence[Any],
-           loss_fn: Callable[[Any], torch.Tensor]) -> List[Optional[torch.Tensor]]:
+           loss_fn: Callable[[Any], torch.Tensor], buffers: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()
+           ) -> List[Optional[torch.Tensor]]:
+    """The loss, the gradients and the buffers after one step from the buffers' values
+    ``buffers`` (the steps measured before it moved them: running statistics, an EMA the forward
+    reads)."""
     for p in params:
         p.grad = None
+    with torch.no_grad():
+        for b, value in buffers:
+            b.copy_(value)
     torch.manual_seed(1)
     loss = loss_fn(module(*inputs))
     loss.backward()
     out = [loss.detach()] + [None if p.grad is None else p.grad.clone() for p in params]
+    out += [b.detach().clone() for b, _ in buffers]
     for p in params:
         p.grad = None
     return out
@@ -57,7 +65,8 @@ def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable
     search = dict(search or {})
     inputs = tuple(inputs)
     params = [p for p in model.parameters() if p.requires_grad]
-    reference = _grads(model, params, inputs, loss_fn)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    reference = _grads(model, params, inputs, loss_fn, buffers)
     probe = tp.plan(model, inputs, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=1)
     profile = probe.to_dict()["profile"]
     low, high = tp.lower_bound(profile), tp.unplanned_peak(profile)
@@ -66,7 +75,7 @@ def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable
         fast = tp.run(model, plan, backend=backend)
         try:
             stats = _measured_step(fast, inputs, loss_fn)
-            same = _same(_grads(fast, params, inputs, loss_fn), reference)
+            same = _same(_grads(fast, params, inputs, loss_fn, buffers), reference)
         finally:
             fast.close()
         # end_delta_bytes: the step's gradients unless a free went unrecorded (a diagnostic of a row that does not fit)
