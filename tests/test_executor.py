@@ -8,6 +8,7 @@ import copy
 import math
 import gc
 import time
+import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -772,6 +773,40 @@ def test_no_step_leaves_device_memory_behind(plan: List[str]) -> None:
 
     _, trace = measure_peak(life)
     assert trace.final_bytes == 0, trace
+
+
+@pytest.mark.parametrize("plan", [["swap"] * 3, ["recompute"] * 3, ["recompute", "swap", "retain"]])
+def test_freezing_a_layer_mid_training_relearns_the_step(plan: List[str]) -> None:
+    """A frozen layer saves other tensors (a Linear whose weight needs no gradient does not save
+    its input): the learned step no longer matched its packs and the step failed with a
+    misleading "data-dependent control flow?". Which parameters require grad is part of the
+    signature a learned step is kept by: the step is learned again (said), and the earlier one
+    reused when the layer trains again."""
+    torch.manual_seed(0)
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    model, ref, x = make_model(), make_model(), torch.randn(8, 16)
+    planned = PlannedModule(model, plan, backend=CpuBackend())
+    relearned = []
+    for step, frozen in enumerate([False, False, True, True, False]):
+        for m in (model, ref):
+            m[0].weight.requires_grad_(not frozen)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = planned(x).square().mean()
+            a.backward()
+        relearned.append(any("require grad changed" in str(w.message) for w in caught))
+        b = ref(x).square().mean()
+        b.backward()
+        assert torch.equal(a, b), step
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), step
+            p.grad = q.grad = None
+    planned.close()
+    assert relearned == [False, False, True, False, False]  # the unfrozen step's program is kept
 
 
 def test_measure_peak_counts_allocations() -> None:

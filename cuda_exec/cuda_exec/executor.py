@@ -80,6 +80,7 @@ Checks and failures
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 import weakref
@@ -202,6 +203,8 @@ class Executor:
         #: recomputed segment is tracked and replays what it recorded)
         self.aligned = os.environ.get("TENSORPLACE_ALIGNED", "1") != "0"
         self.relearned = 0  #: learning steps after the first (the inputs' shapes changed)
+        self._shapes_warned = False
+        self._model_params = list(model.parameters())  #: whose requires_grad a learned step depends on
         self._cell: List[Optional[_SteadyStep]] = [None]  # the running step, read by the hooks
         self._hooks: List[Any] = []
         self._hooks_finalizer: Optional[weakref.finalize] = None
@@ -235,7 +238,7 @@ class Executor:
     def _forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         program = self._program
         if program is not None:
-            signature = _signature(args, kwargs) if self.lean else None
+            signature = self._step_signature(args, kwargs) if self.lean else None
             if signature == self._signature:
                 return self._steady_forward(program, args, kwargs)
             known = self._programs.get(signature)
@@ -277,7 +280,7 @@ class Executor:
             state.abort()
             raise
         if program is not None:
-            signature = _signature(args, kwargs)
+            signature = self._step_signature(args, kwargs)
             self._programs[signature] = program
             while len(self._programs) > MAX_PROGRAMS:  # the least recently learned goes
                 self._programs.pop(next(iter(self._programs)))
@@ -327,11 +330,25 @@ class Executor:
         if reserve is not None and sizes:
             reserve(sizes)
 
+    def _step_signature(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+        """What a learned step depends on: the inputs (:func:`_signature`) and which parameters
+        require grad (a layer frozen or unfrozen mid-training saves other tensors)."""
+        return _signature(args, kwargs) + (tuple(map(_REQUIRES_GRAD, self._model_params)),)
+
     def _note_relearn(self, signature: Any) -> None:
-        """The inputs' shapes changed to ones not learned yet: this step learns them (a full step,
-        slower), once per new shape (the last ``MAX_PROGRAMS`` are kept)."""
+        """The inputs' shapes, or the parameters that require grad, changed to ones not learned
+        yet: this step learns them (a full step, slower), once per new signature (the last
+        ``MAX_PROGRAMS`` are kept)."""
         self.relearned += 1
-        if self.relearned == 1:
+        if self._signature is not None and signature[:-1] == self._signature[:-1]:
+            warnings.warn(
+                "the model's parameters that require grad changed since the executor's learning step "
+                "(a layer frozen or unfrozen): the executor learns the new step once (one full, slower step); "
+                "the plan's predicted peak is for the parameters its profile trained: plan again if more train now",
+                RuntimeWarning, stacklevel=4)
+            return
+        if not self._shapes_warned:
+            self._shapes_warned = True
             warnings.warn(
                 "the model's inputs changed shape (or kind) since the executor's learning step: the "
                 "executor learns the new step once (one full, slower step per new input shape); "
@@ -432,6 +449,7 @@ class Executor:
 
 #: learned steps kept per executor, one per input signature (a few bucketed lengths)
 MAX_PROGRAMS = 8
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
