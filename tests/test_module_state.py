@@ -3,9 +3,10 @@
 A replay runs a unit's forward again. Where that forward updates a buffer and then uses it (an
 EMA in the forward, spectral_norm's power iteration in its forward pre-hook), a replay from the
 buffer's updated value regenerates other tensors than the forward saved: the gradients were
-silently wrong. The executor now keeps such buffers' values at the segment's start and replays
-from them (units.replay_start_state); BatchNorm's running statistics, written but never read in
-training, are only put back. Each case trains three SGD steps under a plan and without one, and
+silently wrong; so were a buffer read by a unit and updated later in the forward. The executor
+now keeps such buffers' values at the unit's first access and replays from them
+(units.replay_start_state); BatchNorm's running statistics, written but never read in training,
+are only put back. Each case trains three SGD steps under a plan and without one, and
 compares losses, gradients, parameters and buffers bitwise, on both replay paths: a tracked
 segment (glue between unit modules) and an aligned one (glue inside a block's forward).
 """
@@ -78,6 +79,23 @@ class Blocks(nn.Module):
         return self.head(self.blocks(x))
 
 
+class WrittenLater(nn.Module):
+    """A buffer read in one unit's glue (by an op that does not save it) and updated in place in a
+    later unit's: the first unit's replay must read it as its forward did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("shift", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) + self.shift
+        out = torch.relu(self.b(h))
+        with torch.no_grad():
+            self.shift.mul_(0.9).add_(0.1 * out.mean(0))
+        return self.c(out)
+
+
 class WithBatchNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -88,7 +106,7 @@ class WithBatchNorm(nn.Module):
 
 
 MODELS: Dict[str, Callable[[], nn.Module]] = {"ema_glue": EmaGlue, "spectral_norm": SpectralNorm, "blocks": Blocks,
-                                              "batchnorm": WithBatchNorm}
+                                              "written_later": WrittenLater, "batchnorm": WithBatchNorm}
 
 
 def _units(model: nn.Module, x: torch.Tensor) -> int:
@@ -135,14 +153,14 @@ def test_recomputing_a_unit_that_reads_the_buffers_it_writes_trains_bitwise(name
         assert stats.replays > 0 or plan != ["recompute"] * n, plan
         if plan == ["recompute"] * n:  # the steady steps replay the model's (or blocks') calls
             assert program.segments and not any(program.tracked)
-        if name in ("ema_glue", "spectral_norm") and plan[:2] == ["recompute", "retain"]:  # ... track the glue
+        if name in ("ema_glue", "spectral_norm", "written_later") and plan[:2] == ["recompute", "retain"]:  # tracked
             assert not program.segments and program.tracked[0]
         for a, b in zip(got, reference):
             assert all(torch.equal(s, t) for s, t in zip(a, b)), (name, plan)
 
 
 @pytest.mark.filterwarnings("ignore:tensorplace DELTA")  # the budget of 1 byte, said every step
-@pytest.mark.parametrize("name", ["ema_glue", "spectral_norm", "blocks"])
+@pytest.mark.parametrize("name", ["ema_glue", "spectral_norm", "blocks", "written_later"])
 def test_deltas_replays_start_from_the_forwards_buffers_too(name: str) -> None:
     """DELTA's runtime policy, at a budget it cannot meet and with copies too slow to choose,
     recomputes what it releases: its replays start from the same values."""

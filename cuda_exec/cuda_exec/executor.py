@@ -40,11 +40,11 @@ The actions
   one of their tensors, under saved-tensor hooks that hand each regenerated tensor to its handle;
   the generators' state (kept at the segment's start, only when its forward drew random numbers),
   autocast state and grad mode of the forward are restored, and the buffers the segment writes
-  are put back bit for bit after it; those it may read after writing (an EMA the forward updates,
-  spectral_norm's vectors: all but normalization layers' running statistics) are kept at the
-  segment's start and the replay starts from them (units.replay_start_state). A unit starts
-  before its module's own forward pre-hooks, which are its work, as in its replay. What a segment reads from its own units
-  is regenerated; what it reads from elsewhere is held from the forward (a private copy when the
+  are put back bit for bit after it; the buffers it writes or reads that the forward writes into
+  (an EMA, spectral_norm's vectors: all but normalization layers' running statistics) are kept
+  as the segment first saw them and the replay starts from them (units.replay_start_state). A
+  unit starts before its module's own forward pre-hooks, which are its work, as in its replay.
+  What a segment reads from its own units is regenerated; what it reads from elsewhere is held from the forward (a private copy when the
   forward writes into it later) or brought back from the host when its owner swaps it; a tensor it
   saves of another segment's unit is saved again by its own replay from the held input. Each
   regenerated tensor is freed after its last backward reader.
@@ -270,6 +270,8 @@ class Executor:
             program = None
             if learn is not None:  # before release_unneeded lets go of the slots
                 learn.names = list(state.names)
+                # what each recomputed unit keeps at its start for its replay in the steady steps
+                learn.writes = {rt.unit: [b for b, _ in rt.before] for rt in state.runtimes.values() if rt.before}
                 for rt in state.runtimes.values():
                     learn.protect[rt.unit] = {i for i, ref in enumerate(rt.seg.inputs)
                                               if isinstance(ref.slot, _InputSlot) and ref.slot.protected}

@@ -33,6 +33,11 @@ def _act_code(packed: Any) -> int:
     return RETAIN
 
 
+def _holds(module: nn.Module, t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of ``module``'s own parameters or buffers."""
+    return any(x is t for x in module.parameters()) or any(x is t for x in module.buffers())
+
+
 class _Table:
     """What the executor's learning step found, by pack order (program.py makes a steady step's
     program of it).
@@ -103,6 +108,8 @@ class _PlanTracker(UnitTracker):
                          track_random=learn is not None, record_calls=learn is not None)
         self.state = state
         self.learn = learn
+        #: recomputed unit -> ids of the parameters and buffers its glue or module call read
+        self._param_reads: Dict[int, Set[int]] = {}
         self._pack_owner_seen = NO_OWNER
         self._pack_value_seen: Optional[ValueRec] = None
         if ex.swapper is not None:  # swapped parameters brought back during the forward
@@ -200,23 +207,32 @@ class _PlanTracker(UnitTracker):
         return replay_start_state(module, module.buffers())
 
     def on_unit_writes(self, index: int, written: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        learn = self.learn
-        if learn is None:
-            return
-        keep = replay_start_state(self.calls[self.unit_call[index]].module, [b for b, _ in written])
-        learn.writes[index] = keep
-        rt = self.state.runtimes.get(index)
-        if rt is not None and keep:
-            ids = {id(b) for b in keep}
-            rt.before.extend((b, before) for b, before in written if id(b) in ids)
+        keep = {id(b) for b in replay_start_state(self.segments[index].module, [b for b, _ in written])}
+        for b, before in written:
+            if id(b) in keep:
+                self._before_write(b, before, index)
 
     def on_param_write(self, segment: Segment, tensor: torch.Tensor) -> None:
-        # glue of a recomputed unit writes into a buffer (an EMA): its replay starts from the
-        # value before the first write
-        rt = self.state.runtimes.get(segment.unit)
-        if rt is not None and not rt.replayed and all(b is not tensor for b, _ in rt.before):
-            with torch.no_grad():
-                rt.before.append((tensor, tensor.detach().clone()))
+        self._before_write(tensor, None, segment.unit)
+
+    def on_param_read(self, segment: Segment, tensor: torch.Tensor) -> None:
+        if self.state.runtimes.get(segment.unit) is not None:
+            self._param_reads.setdefault(segment.unit, set()).add(id(tensor))
+
+    def _before_write(self, b: torch.Tensor, value: Optional[torch.Tensor], writer: int) -> None:
+        """``b`` (a buffer or parameter) is written in place, ``value`` its value before (None:
+        not written yet). Every recomputed unit not yet replayed that wrote or read it before
+        (its module's own state included) keeps that value for its replay, if it keeps none yet:
+        the value its forward saw at its first access (units.replay_start_state)."""
+        for u, rt in self.state.runtimes.items():
+            if rt.replayed or any(x is b for x, _ in rt.before):
+                continue
+            if u != writer and id(b) not in self._param_reads.get(u, ()) and not _holds(rt.seg.module, b):
+                continue
+            if value is None:
+                with torch.no_grad():
+                    value = b.detach().clone()
+            rt.before.append((b, value))
 
     def _run_may_draw(self, first: int) -> bool:
         """Whether the checkpoint segment starting at unit ``first`` may draw random numbers in its

@@ -143,6 +143,12 @@ class _ScopedTracker(_PlanTracker):
     def _start_state(self, index: int) -> List[torch.Tensor]:
         return self.table.writes.get(index, [])  # as the learning step found
 
+    def _before_write(self, b: torch.Tensor, value: Optional[torch.Tensor], writer: int) -> None:
+        pass  # the learning step found what each unit keeps at its start (_start_state)
+
+    def on_param_read(self, segment: Segment, tensor: torch.Tensor) -> None:
+        pass
+
     def _run_may_draw(self, first: int) -> bool:
         # as the learning step found (aligned segments decide alike: program.AlignedSegment):
         # the generators' state (5 KB on a CPU, device memory there) is kept only where needed

@@ -302,12 +302,13 @@ class PackInfo:
 
 def replay_start_state(module: nn.Module, written: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     """Of the buffers (or parameters) ``written`` that ``module``'s forward writes into, those a
-    replay of it must start from as its forward did (kept at the forward's start, put in place
-    before the replay): all but the running statistics of normalization layers in training mode,
-    which their forward writes and never reads. An EMA the forward updates and then uses, or
-    spectral_norm's power-iteration vectors, replayed from their updated values, would regenerate
-    other tensors than the forward saved."""
-    norm = {id(b) for m in module.modules() if isinstance(m, _NormBase) and m.training for b in m.buffers(recurse=False)}
+    replay must see as its forward did (kept from the forward, put in place before the replay):
+    all but the running statistics of normalization layers in training mode, which their forward
+    writes and never reads. An EMA the forward updates and then uses, spectral_norm's
+    power-iteration vectors, or a buffer a unit reads that a later unit updates, replayed from
+    their updated values, would regenerate other tensors than the forward saved."""
+    norm = {id(b) for m in module.modules() if isinstance(m, _NormBase) and m.training
+            for b in m.buffers(recurse=False)}
     return [b for b in written if id(b) not in norm]
 
 
@@ -709,6 +710,9 @@ class UnitTracker:
     def on_param_write(self, segment: Segment, tensor: torch.Tensor) -> None:
         """A glue call of ``segment`` is about to write into a parameter or buffer."""
 
+    def on_param_read(self, segment: Segment, tensor: torch.Tensor) -> None:
+        """``segment``'s unit or glue reads a parameter or buffer."""
+
     def on_unit_writes(self, index: int, written: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """(``record_calls``) Unit ``index``'s module call wrote into its buffers ``written``
         (each with a copy of its value before the call)."""
@@ -808,6 +812,8 @@ class UnitTracker:
     ) -> Tuple[str, Any]:
         """Reference for a tensor a segment reads: const, or an input (recorded once per object)."""
         if not self._trackable(t) or self.is_param(t):
+            if self._trackable(t):
+                self.on_param_read(seg, t)
             return ("const", t)
         if id(t) in seen:
             return ("in", seen[id(t)])
