@@ -44,10 +44,11 @@ The actions
   (an EMA, spectral_norm's vectors: all but normalization layers' running statistics) are kept
   as the segment first saw them and the replay starts from them (units.replay_start_state). A
   unit starts before its module's own forward pre-hooks, which are its work, as in its replay.
-  What a segment reads from its own units is regenerated; what it reads from elsewhere is held from the forward (a private copy when the
-  forward writes into it later) or brought back from the host when its owner swaps it; a tensor it
-  saves of another segment's unit is saved again by its own replay from the held input. Each
-  regenerated tensor is freed after its last backward reader.
+  What a segment reads from its own units is regenerated; what it reads from elsewhere is held
+  from the forward (a private copy when the forward writes into it later) or brought back from
+  the host when its owner swaps it; a tensor it saves of another segment's unit is saved again by
+  its own replay from the held input. Each regenerated tensor is freed after its last backward
+  reader.
 
   A steady step replays an **aligned** segment, one whose glue lies in module calls inside it
   (``units.UnitTracker.glue_scopes``), by calling those module calls again (its *top calls*: a

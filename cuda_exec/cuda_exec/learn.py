@@ -72,8 +72,9 @@ class _Table:
         self.reads: List[Tuple[int, Optional[ValueRec], int, bool]] = []
         #: per swap entry (id): the first pack of its storage
         self.entry_first: Dict[int, int] = {}
-        #: per unit: the buffers its module call writes into whose values at the call's start a
-        #: replay starts from (units.replay_start_state)
+        #: per recomputed unit: the buffers (or parameters) its replay must see as its forward
+        #: did, kept at its start in the steady steps (units.replay_start_state: written by it, or
+        #: read by it and written later in the forward)
         self.writes: Dict[int, List[torch.Tensor]] = {}
 
     def finish(self, names: List[str], tracked: List[bool]) -> "_Table":

@@ -88,12 +88,12 @@ class AlignedSegment:
     last: int  #: its last unit
     calls: List[TopCall]
     random: bool  #: its forward draws random numbers (the replay restores the generators)
-    #: buffers (BatchNorm running statistics) and parameters its forward writes into: put back
-    #: after the replay
+    #: buffers (BatchNorm running statistics) and parameters its forward writes into, and those
+    #: of ``start_state``: put back after the replay
     restore: List[torch.Tensor]
     holds: int  #: packs of its top calls (the replay's captures)
-    #: of ``restore``, those whose values at the segment's start the replay starts from
-    #: (units.replay_start_state)
+    #: buffers the replay starts from as the segment's forward saw them (units.replay_start_state:
+    #: written by it, or read by it and written later in the forward), kept at its start
     start_state: List[torch.Tensor] = field(default_factory=list)
 
 
@@ -246,10 +246,16 @@ class _Aligner:
         # and its input): an argument comes from the last earlier top call that returned that
         # very view; where none did, glue outside the top calls made it, which a replay does not run
         view_pos: Dict[Tuple[int, ViewMeta], Tuple[int, int]] = {}
+        # buffers the replay must see as the forward did (the learning step's table.writes): one
+        # passed to a top call as an argument is held by reference, which the forward later
+        # writes into; such a segment is tracked (its replay puts the buffer's value back)
+        kept = {id(b) for u in in_run for b in t.writes.get(u, ())}
         for i, rec in enumerate(recs):
             args: List[Optional[ArgKind]] = []
             for leaf, v in enumerate(rec.arg_values):
                 if v is None:
+                    if rec.arg_tensor[leaf] and rec.arg_ids[leaf] in kept:
+                        return None
                     args.append(ArgKind(ARG_HOLD) if rec.arg_tensor[leaf] else None)
                     continue
                 if v.owner in in_run:
@@ -303,6 +309,10 @@ class _Aligner:
                     restore.append(b)
             start_state += [b for b in t.writes.get(u, []) + self.segs[u].mutated_params
                             if all(b is not x for x in start_state)]
+        for b in start_state:  # put back after the replay too (one it only reads included)
+            if id(b) not in seen:
+                seen.add(id(b))
+                restore.append(b)
         seg = AlignedSegment(index, first, last, calls, any(self.random[u] for u in in_run), restore,
                              sum(c.packs for c in calls), start_state)
         self.entry_args = entry_args

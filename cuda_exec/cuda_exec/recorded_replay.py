@@ -122,8 +122,9 @@ class _UnitRuntime:
         self.rng_cuda: List[Tuple[int, torch.Tensor]] = []
         self.autocast: List[Tuple[str, bool, torch.dtype]] = []
         self.grad_enabled = True
-        #: buffers its forward wrote into, with their values at its start (put in place for the
-        #: replay; units.replay_start_state)
+        #: buffers its replay must see as its forward did (written by it, or read by it and
+        #: written later in the forward), with those values (put in place for the replay, and the
+        #: current ones back after it; units.replay_start_state)
         self.before: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.slot_refs: Set[int] = set()  # pack indices (in this segment) with a live handle
         self.value_refs: Counter = Counter()  # ValueRec -> live handles and chained input slots
