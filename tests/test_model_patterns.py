@@ -79,13 +79,31 @@ class Attention(nn.Module):
 
 
 class TokensAndMask(nn.Module):
-    def __init__(self) -> None:
+    """Token ids and a mask; ``sparse``: the embedding's gradient is a sparse tensor."""
+
+    def __init__(self, sparse: bool = False) -> None:
         super().__init__()
-        self.emb, self.a, self.out = nn.Embedding(30, W), nn.Linear(W, W), nn.Linear(W, 4)
+        self.emb, self.a, self.out = nn.Embedding(30, W, sparse=sparse), nn.Linear(W, W), nn.Linear(W, 4)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.a(self.emb(ids))) * mask.unsqueeze(-1)
         return self.out(h).mean(1)
+
+
+class EmaInGlue(nn.Module):
+    """An EMA of the features updated in the forward and subtracted (tests/test_module_state.py
+    has its replays; here the budget and the bitwise step with the buffer compared too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, 4)
+        self.register_buffer("mu", torch.zeros(W))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.no_grad():
+            self.mu.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.out(torch.tanh(self.b(h - self.mu)))
 
 
 class NoGradGlue(nn.Module):
@@ -120,6 +138,8 @@ CASES: Dict[str, Callable[[], Tuple[nn.Module, Tuple[Any, ...], Callable[[Any], 
     "dict_output": lambda: (DictOutput(), (torch.randn(8, W),), lambda o: o["y"].sum() + o["z"].square().sum()),
     "attention": lambda: (Attention(), (torch.randn(2, 5, W),), _sq),
     "tokens_and_mask": lambda: (TokensAndMask(), (torch.randint(0, 30, (4, 6)), torch.ones(4, 6)), _sq),
+    "sparse_embedding": lambda: (TokensAndMask(sparse=True), (torch.randint(0, 30, (4, 6)), torch.ones(4, 6)), _sq),
+    "ema_in_glue": lambda: (EmaInGlue(), (torch.randn(8, W),), _sq),
     "no_grad_glue": lambda: (NoGradGlue(), (torch.randn(8, W),), _sq),
     "detached_branch": lambda: (NoGradGlue(detach=True), (torch.randn(8, W),), _sq),
 }

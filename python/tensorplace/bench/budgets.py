@@ -47,8 +47,14 @@ def _grads(module: Any, params: Sequence[torch.nn.Parameter], inputs: Sequence[A
 
 
 def _same(a: List[Optional[torch.Tensor]], b: List[Optional[torch.Tensor]]) -> bool:
-    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and _equal(x, y))
                                     for x, y in zip(a, b))
+
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.is_sparse or y.is_sparse:  # an Embedding(sparse=True)'s gradient
+        return x.is_sparse == y.is_sparse and torch.equal(x.to_dense(), y.to_dense())
+    return torch.equal(x, y)
 
 
 def check_model(model: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor], *,
