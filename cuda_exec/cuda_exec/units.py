@@ -1199,10 +1199,7 @@ class UnitTracker:
             first = not val.saved
             val.saved = True
             val.readers.add(reader)
-            if owner >= 0:
-                self._act[owner][val.storage_id] = val.nbytes
-                self._owned_packs[owner] += 1
-                self._readers[owner].add(reader)
+            self._count_activation(owner, reader, val)
             if first:
                 self.on_value_saved(val, t, info)
             out = _kept(self.on_pack(t, info), t)
@@ -1223,23 +1220,23 @@ class UnitTracker:
         """With ``watch_packs``, at the forward's end: the saved tensors whose graph the forward
         already let go of (a branch the model detaches, a value computed only to be compared)
         are no activation of any unit; their values count as saved only through live packs."""
-        act: Dict[int, Dict[int, int]] = defaultdict(dict)
-        owned: Dict[int, int] = defaultdict(int)
-        readers: Dict[int, Set[int]] = defaultdict(set)
+        self._act, self._owned_packs, self._readers = defaultdict(dict), defaultdict(int), defaultdict(set)
         live: Set[int] = set()
         for owner, reader, val, ref in self._watched:
-            if ref() is None:
-                continue
-            live.add(id(val))
-            if owner >= 0:
-                act[owner][val.storage_id] = val.nbytes
-                owned[owner] += 1
-                readers[owner].add(reader)
+            if ref() is not None:
+                live.add(id(val))
+                self._count_activation(owner, reader, val)
         for _owner, _reader, val, _ref in self._watched:
             if id(val) not in live:
                 val.saved = False
         self._watched.clear()
-        self._act, self._owned_packs, self._readers = act, owned, readers
+
+    def _count_activation(self, owner: int, reader: int, val: ValueRec) -> None:
+        """A pack of ``val`` by unit ``reader``'s segment: part of ``owner``'s activations."""
+        if owner >= 0:
+            self._act[owner][val.storage_id] = val.nbytes
+            self._owned_packs[owner] += 1
+            self._readers[owner].add(reader)
 
     # ---------------------------------------------------------------- results
 
