@@ -2,7 +2,8 @@
 //! step, planning time, evaluations, simulated stages and phases (a development tool).
 //!
 //! cargo run --release --example plan_file -- [--fractions 0.25,0.5,0.75] [--particles P]
-//!     [--iterations I] [--block-wise on|off|auto] [--threads T] FILE...
+//!     [--iterations I] [--seed S] [--polish-starts N] [--restarts N] [--relinks N]
+//!     [--patience N (0: none)] [--block-wise on|off|auto] [--threads T] FILE...
 //! FILE: a profile, or a plan file (its "profile"), or a builtin name (python/tensorplace/examples).
 use std::time::Instant;
 use tensorplace_core::planner::{make_plan, PlanSettings};
@@ -40,6 +41,11 @@ fn main() {
             "--particles" => s.pso.particles = args.next().unwrap().parse().unwrap(),
             "--iterations" => s.pso.iterations = args.next().unwrap().parse().unwrap(),
             "--threads" => s.pso.threads = args.next().unwrap().parse().unwrap(),
+            "--polish-starts" => s.pso.polish_starts = args.next().unwrap().parse().unwrap(),
+            "--restarts" => s.pso.restarts = args.next().unwrap().parse().unwrap(),
+            "--relinks" => s.pso.relinks = args.next().unwrap().parse().unwrap(),
+            "--seed" => s.pso.seed = args.next().unwrap().parse().unwrap(),
+            "--patience" => s.pso.patience = args.next().unwrap().parse().ok().filter(|&p: &usize| p > 0),
             "--copy-ratio" => copy_ratio = Some(args.next().unwrap().parse().unwrap()),
             "--block-wise" => {
                 s.pso.block_wise = match args.next().unwrap().as_str() {
