@@ -134,6 +134,17 @@ def test_unknown_method_lists_the_methods(plain20):
         tp.plan_profile(plain20, "1GiB", method="genetic")
 
 
+@pytest.mark.parametrize("setting,value,match", [
+    ("iterations", -1, "iterations must be 0 or more, got -1"),
+    ("restarts", 1.5, "restarts must be a whole number, got 1.5"),
+    ("seed", "7", "seed must be a whole number"),
+])
+def test_bad_search_settings_name_the_setting(plain20, setting, value, match):
+    # a negative count reached the core as "can't convert negative int to unsigned"
+    with pytest.raises(tp.PlannerError, match=match):
+        tp.plan_profile(plain20, "1GiB", **{setting: value})
+
+
 def test_more_search_never_finds_a_worse_plan_for_the_same_seed(plain20):
     budget = (tp.lower_bound(plain20) + tp.unplanned_peak(plain20)) // 2
     short = tp.plan_profile(plain20, budget, particles=30, iterations=5, seed=3)

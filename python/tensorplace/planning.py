@@ -236,6 +236,17 @@ def _fixed_text(fixed: Optional[Dict[str, Any]]) -> str:
     )
 
 
+def _check_counts(**counts: Optional[int]) -> None:
+    """Search settings that count something are whole numbers, none negative (None: not set)."""
+    for name, v in counts.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise _core.PlannerError(f"{name} must be a whole number, got {v!r}")
+        if v < 0:
+            raise _core.PlannerError(f"{name} must be 0 or more, got {v}")
+
+
 def plan_profile(
     profile: ProfileLike,
     budget: Budget,
@@ -320,6 +331,9 @@ def plan_profile(
     """
     if budget_kind not in BUDGET_KINDS:
         raise _core.PlannerError(f"budget_kind {budget_kind!r}: use one of {', '.join(BUDGET_KINDS)}")
+    _check_counts(particles=particles, iterations=iterations, seed=seed, threads=threads, restarts=restarts,
+                  relinks=relinks, reserved_rounds=reserved_rounds, prefetch_lookahead=prefetch_lookahead,
+                  patience=patience)
     if choose_starts and method not in MILP_METHODS:
         raise _core.PlannerError(
             f"choose_starts applies to the MILP methods ({', '.join(MILP_METHODS)}), not {method!r}; "
