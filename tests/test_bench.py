@@ -427,6 +427,18 @@ def test_plan_refuses_an_impossible_budget(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_plan_file_gives_its_profile_where_a_profile_is_asked_for(tmp_path):
+    prof = examples.profile("plain20", batch_size=4)
+    plan = tp.plan_profile(prof, tp.unplanned_peak(prof), method="retain")
+    plan.save(tmp_path / "bare.plan.json")  # plan_profile's plans do not carry their profile
+    with pytest.raises(SystemExit, match="a plan that does not carry its profile"):
+        common.read_profile(str(tmp_path / "bare.plan.json"), "profile")
+    data = plan.to_dict()
+    data["profile"] = prof  # as tp.plan() saves it
+    (tmp_path / "full.plan.json").write_text(json.dumps(data))
+    assert common.read_profile(str(tmp_path / "full.plan.json"), "profile") == prof
+
+
 def test_model_by_import_path(tmp_path, mymodels, capsys):
     data = run_json(tmp_path, ["profile", *MLP, "-o", str(tmp_path / "p.json")])
     assert data["inputs"] == "(6, 3, 4, 4)" and data["units"] == 4

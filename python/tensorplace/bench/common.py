@@ -761,22 +761,38 @@ def profile_source_args(p: argparse.ArgumentParser, default_builtin: Optional[st
                         + (f" (the default: {default_builtin})" if default_builtin else ""))
     what = "a profile" if profiles == 1 else f"{profiles} profiles of one model at different batches"
     g.add_argument("--profile", metavar="FILE", nargs=None if profiles == 1 else profiles,
-                   help=f"{what} saved by `tensorplace-bench profile`")
+                   help=f"{what} saved by `tensorplace-bench profile` (or plan files that carry theirs)")
     repeats_arg(p)
     p.set_defaults(default_builtin=default_builtin)
 
 
 def read_profile(path: str, what: str, hint: str = "") -> Dict[str, Any]:
-    """The profile at ``path``, or SystemExit saying why not (``what`` names the argument)."""
+    """The profile at ``path`` (a profile file, or a plan file with its profile), or SystemExit
+    saying why not (``what`` names the argument)."""
     from .._core import PlannerError
-    from ..planning import load_profile
+    from ..planning import load_profile, profile_json
 
     try:
         return load_profile(path)
     except FileNotFoundError:
         raise SystemExit(f"{what} {path!r}: no such file{hint}") from None
     except (PlannerError, ValueError) as e:
-        raise SystemExit(f"{what} {path!r} is not a valid profile: {e}") from None
+        error = e
+    # a plan file: the profile it was planned from, which plan() and save() keep in it
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and data.get("format") == "tensorplace.plan":
+        if not isinstance(data.get("profile"), dict):
+            raise SystemExit(f"{what} {path!r} is a plan that does not carry its profile (plans made by "
+                             "plan_profile do not); give the profile it was planned from")
+        try:
+            return json.loads(profile_json(data["profile"]))
+        except (PlannerError, ValueError) as e:
+            raise SystemExit(f"{what} {path!r} is a plan whose profile is not valid: {e}") from None
+    raise SystemExit(f"{what} {path!r} is not a valid profile: {error}") from None
 
 
 def load_source(a: argparse.Namespace) -> Tuple[str, Dict[str, Any]]:

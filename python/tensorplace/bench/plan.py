@@ -51,7 +51,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 def add_cli(sub: Any) -> None:
     p = sub.add_parser("plan", help="plan from a saved profile and save the plan", description=cmd_plan.__doc__)
-    p.add_argument("profile", metavar="PROFILE", help="a profile file (tensorplace-bench profile, or save_profile())")
+    p.add_argument("profile", metavar="PROFILE", help="a profile file (tensorplace-bench profile, or save_profile()), or a plan file that carries its profile (tp.plan)")
     p.add_argument("--budget", type=common.budget, required=True, help="device memory for the whole step, e.g. 6GiB")
     p.add_argument("--method", default="pso", help="pso (default), swap-all, recompute-all, retain, exhaustive")
     p.add_argument("-o", "--output", default="plan.json", metavar="PATH", help="where to write the plan (default plan.json)")
