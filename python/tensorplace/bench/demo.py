@@ -67,6 +67,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
             ],
         ],
     )
+    print(f"(the predicted step against the unplanned step measured when profiling, "
+          f"{common.ms(prof['measured']['step_time'])} ms: the model's own baseline)")
     ok = planned["peak_bytes"] <= budget
     print(f"measured peak {'within' if ok else 'OVER'} the budget ({format_bytes(planned['peak_bytes'])} vs {format_bytes(budget)})")
     a.out.update(
