@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import ReplayError, StepAbortedError, StepStats
 from .state_swap import StateSwapper
-from .units import ValueRec, ViewMeta
+from .units import ValueRec, ViewMeta, empty_tensor
 from .verify import check, note_out_of_memory
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class _Entry:
         #: the storage as bytes until the copy is queued at the end of the segment that saved it
         #: (``queue_offload``): a kernel may still write other parts of the storage without
         #: bumping its version (a GRU cell's chunked gates), so the copy waits for the segment's end
-        self.source: Optional[torch.Tensor] = torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+        self.source: Optional[torch.Tensor] = empty_tensor(torch.uint8, device).set_(st)
         self.host: Any = _QUEUED_LATER
         #: the plan's cost model cancels this unit's swap-out before it starts: never copied, the
         #: device bytes stay until the backward uses them

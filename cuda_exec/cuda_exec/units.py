@@ -242,8 +242,20 @@ class ViewMeta:
 
     def view_of(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
         """A tensor with this metadata over ``storage``."""
-        out = torch.empty(0, dtype=self.dtype, device=device)
-        return out.set_(storage, self.offset, self.size, self.stride)
+        return empty_tensor(self.dtype, device).set_(storage, self.offset, self.size, self.stride)
+
+
+#: an empty tensor per (dtype, device), whose ``new()`` makes another
+_EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def empty_tensor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new tensor of no elements, to ``set_`` a storage into: ``Tensor.new()`` of a kept one,
+    a third faster than ``torch.empty(0, ...)`` (swaps make one per saved storage and per unpack)."""
+    t = _EMPTY.get((dtype, device))
+    if t is None:
+        t = _EMPTY[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
+    return t.new()
 
 
 def storage_bytes(t: torch.Tensor) -> int:
