@@ -290,3 +290,101 @@ def test_a_wrapped_model_is_not_profiled_planned_or_wrapped_again():
         wrapper.close()
     run = tp.run(model, plan)
     run.close()
+
+
+class _TwiceBlock(nn.Module):
+    """A block that calls one module twice (as torchvision's BasicBlock calls its relu)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.b(self.relu(self.a(x)))) + x
+
+
+class _TwiceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(_TwiceBlock(), _TwiceBlock())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def test_a_module_called_twice_is_two_units_of_the_plan():
+    """tp.plan names a module's second call `name#1`; the engine used to refuse such a plan as one
+    of another model (every torchvision ResNet's plan)."""
+    x = torch.randn(2, 8)
+    model, reference = _TwiceNet(), _TwiceNet()
+    plan = _plan(model, x, "recompute-all")
+    assert "blocks.0.relu#1" in plan.units
+    data = plan.to_dict()
+    # the first call of each relu recomputed, the second retained: each call gets its own action
+    data["actions"] = ["recompute" if not u.endswith("#1") else "retain" for u in plan.units]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, tp.Plan(data))
+    try:
+        reg = wrapper.regions[0]
+        assert reg.index[("blocks.0.relu", 0)] == plan.units.index("blocks.0.relu")
+        assert reg.index[("blocks.0.relu", 1)] == plan.units.index("blocks.0.relu#1")
+        _assert_bitwise(_steps(reference, reference, x, steps=3), _steps(wrapper, model, x, steps=3))
+        assert any(not all(t) for t in wrapper._tables.values())
+    finally:
+        wrapper.close()
+
+
+def test_calling_the_model_itself_after_wrapping_applies_the_plan():
+    """The regions' forward is replaced on the model, so a user may go on calling the model: each
+    call is a new forward (its region calls counted from the start), not a first call every step
+    that saves everything and learns another table."""
+    model, x = _gpt(), _gpt_input()
+    reference = copy.deepcopy(model)
+    plan = _plan(model, x, "recompute-all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, plan)
+    try:
+        _assert_bitwise(_steps(reference, reference, x, steps=4), _steps(model, model, x, steps=4))
+        assert len(wrapper._tables) == len(wrapper.regions) == 3
+        assert any(not all(t) for t in wrapper._tables.values())
+    finally:
+        wrapper.close()
+
+
+def test_a_region_whose_modules_change_mode_learns_again():
+    """BatchNorm frozen (eval) after the first step, as in fine-tuning: the region's ops change,
+    which the engine refused ('ran another sequence of ops'); now the modes are part of what a
+    learned table is kept for. Bitwise equal to the unplanned model frozen at the same step."""
+    x = torch.randn(2, 3, 8, 8)
+    model, reference = _Net(), _Net()
+    plan = _plan(model, x, "recompute-all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, plan)
+    try:
+        got, want = [], []
+        for step in range(3):
+            if step == 1:
+                for m in (model, reference):
+                    for bn in m.modules():
+                        if isinstance(bn, nn.BatchNorm2d):
+                            bn.eval()
+            want.append(_steps(reference, reference, x, steps=1))
+            got.append(_steps(wrapper, model, x, steps=1))
+        for w, g in zip(want, got):
+            _assert_bitwise(w, g)
+        assert len(wrapper._tables) == 2 * len(wrapper.regions)  # one table per region and mode
+    finally:
+        wrapper.close()
+
+
+@pytest.mark.parametrize("bad", [42, None, 3.5])
+def test_a_plan_that_is_not_one_is_named(bad):
+    with pytest.raises(TypeError, match="plan must be a tensorplace.Plan, its dict or the path of a plan file"):
+        tp.compiled(_gpt(), bad)

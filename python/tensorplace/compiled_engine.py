@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -222,16 +223,23 @@ def find_regions(model: nn.Module) -> List[str]:
     return found
 
 
+def module_name(unit: str) -> str:
+    """The module a unit is a call of: ``layer1.0.relu#1`` (the profiler's name of a module's
+    second call in one forward) is a call of ``layer1.0.relu``."""
+    return unit.split("#", 1)[0]
+
+
 def _unit_modules(model: nn.Module, unit_names: Sequence[str]) -> Dict[str, nn.Module]:
+    """Unit name -> the module it is a call of."""
     modules = dict(model.named_modules())
     modules.setdefault("(root)", model)
-    missing = sorted({n for n in unit_names if n not in modules})
+    missing = sorted({n for n in unit_names if module_name(n) not in modules})
     if missing:
         raise PlannerError(
             f"the plan's units {missing[:3]} are not modules of this model: the plan was made for another model "
             "(re-plan this model with tensorplace.plan)"
         )
-    return {n: modules[n] for n in unit_names}
+    return {n: modules[module_name(n)] for n in unit_names}
 
 
 def _inside(name: str, region: str) -> bool:
@@ -248,6 +256,8 @@ class Region:
     units: List[int]
     #: (unit module name, occurrence within one call of the region) -> global unit index
     index: Dict[Tuple[str, int], int] = field(default_factory=dict)
+    #: the module and its submodules (their train/eval modes select the ops a call runs)
+    modules: List[nn.Module] = field(default_factory=list)
 
 
 _STACK_PART = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]?([^'\"\]]+)['\"]?\]")
@@ -351,6 +361,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(torch.equal(a, b)) and not bool(torch.isnan(a).any())
     return bool(torch.equal(a, b))
+
+
+def _autocast_state() -> Tuple[Any, ...]:
+    """Autocast on the CPU and CUDA, and their dtypes."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
 def _is_random(func: Any) -> bool:
@@ -471,8 +486,11 @@ class _RegionCall:
             return P.MUST_SAVE
         if i >= len(self.table) or self.funcs[i] is not func:
             raise PlannerError(
-                f"region {self.region.name!r} ran another sequence of ops than in its first call (op {i}: {func}); "
-                "the eager compiled engine needs the same ops at every call of a region for one input shape")
+                f"region {self.region.name!r} ran another sequence of ops than in its first call with these input "
+                f"shapes, train/eval modes and autocast state (op {i}: {func}): the eager compiled engine needs the "
+                "same ops at every such call (data-dependent control flow in the region, or autocast's weight cache "
+                "reused by a second forward in one autocast block); run such steps through the eager executor "
+                "(tensorplace.run) or torch.compile the wrapper")
         return P.MUST_SAVE if self.table[i] else P.MUST_RECOMPUTE
 
 
@@ -493,6 +511,9 @@ class CompiledPlan(nn.Module):
         from .planning import Plan
 
         refuse_wrapped(model, "tensorplace.compiled")
+        if not isinstance(plan, (Plan, dict, str, os.PathLike)):
+            raise TypeError(f"plan must be a tensorplace.Plan, its dict or the path of a plan file, not "
+                            f"{type(plan).__name__}")
         if not isinstance(plan, Plan):
             plan = Plan(plan) if isinstance(plan, dict) else Plan.load(plan)
         data = plan.to_dict()
@@ -501,8 +522,9 @@ class CompiledPlan(nn.Module):
         self.unit_names: List[str] = list(plan.units)
         actions = list(plan.actions)
         modules = _unit_modules(model, self.unit_names)
-        self._unit_paths: Set[str] = set(self.unit_names)
-        self._unit_of_id: Dict[str, str] = {str(id(m)): n for n, m in modules.items()}
+        #: the unit modules' names (a unit is one call of one: ``name`` or ``name#k``)
+        self._unit_paths: Set[str] = {module_name(n) for n in self.unit_names}
+        self._unit_of_id: Dict[str, str] = {str(id(m)): module_name(n) for n, m in modules.items()}
         self._path_cache: Dict[str, Optional[str]] = {}
         names = list(regions) if regions is not None else list(data.get("compiled_regions") or find_regions(model))
         all_modules = dict(model.named_modules())
@@ -512,15 +534,16 @@ class CompiledPlan(nn.Module):
                                f"model.named_modules() (e.g. {find_regions(model)[:2]})")
         self.regions: List[Region] = []
         for r in names:
-            units = [i for i, n in enumerate(self.unit_names) if _inside(n, r)]
+            units = [i for i, n in enumerate(self.unit_names) if _inside(module_name(n), r)]
             if not units:
                 continue
-            reg = Region(r, all_modules[r], units)
+            reg = Region(r, all_modules[r], units, modules=list(all_modules[r].modules()))
             seen: Dict[str, int] = {}
             for i in units:
-                k = seen.get(self.unit_names[i], 0)
-                seen[self.unit_names[i]] = k + 1
-                reg.index[(self.unit_names[i], k)] = i
+                name = module_name(self.unit_names[i])
+                k = seen.get(name, 0)
+                seen[name] = k + 1
+                reg.index[(name, k)] = i
             self.regions.append(reg)
         in_region = {i for reg in self.regions for i in reg.units}
         offload = compiled_offload_supported()
@@ -603,6 +626,10 @@ class CompiledPlan(nn.Module):
             original = reg.module.forward
             reg.module.forward = self._region_forward(reg, original)  # type: ignore[method-assign]
             self._originals.append((reg.module, original))
+        # the model's own hooks (not this wrapper's forward) start and end a forward: the regions'
+        # forward is replaced on the model, which the user may go on calling directly
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_starts))
+        self._handles.append(self.model.register_forward_hook(self._forward_ends, always_call=True))
         done: Set[int] = set()
         for m in modules.values():
             if id(m) not in done:
@@ -656,7 +683,10 @@ class CompiledPlan(nn.Module):
         self._calls[reg.name] = k + 1
         shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
                        for t in pytree.tree_leaves((args, kwargs)))
-        key = (reg.name, k, shapes)
+        # what else selects the region's ops: its modules' train/eval modes (a BatchNorm frozen
+        # for fine-tuning), autocast
+        modes = (tuple(m.training for m in reg.modules), _autocast_state())
+        key = (reg.name, k, shapes, modes)
         self._pending_key = key
         if key in self._tables:
             return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
@@ -701,15 +731,20 @@ class CompiledPlan(nn.Module):
     # --- the module ---------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        """The model's forward starts (through this wrapper or called directly): count its unit
+        and region calls from the start."""
         if _tracing():
-            return self.model(*args, **kwargs)
+            return
         self._calls = {}
         self._invocations = 0
         self._current_unit = None
         self._in_forward = True
-        try:
-            return self.model(*args, **kwargs)
-        finally:
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not _tracing():
             self._in_forward = False
 
     def close(self) -> None:
