@@ -388,3 +388,93 @@ def test_a_region_whose_modules_change_mode_learns_again():
 def test_a_plan_that_is_not_one_is_named(bad):
     with pytest.raises(TypeError, match="plan must be a tensorplace.Plan, its dict or the path of a plan file"):
         tp.compiled(_gpt(), bad)
+
+
+def test_two_forwards_in_one_autocast_block_train_bitwise_without_its_weight_cache():
+    """Autocast's cache of cast weights makes a second forward in one autocast block run fewer ops
+    than its region's recompute, which torch's selective checkpointing cannot match (docs/compiled.md);
+    with `cache_enabled=False` (on the unplanned model too) such steps train bitwise equal."""
+    model, x = _gpt(), _gpt_input()
+    reference = copy.deepcopy(model)
+    plan = _plan(model, x, "recompute-all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, plan)
+
+    def steps(module: nn.Module, params_of: nn.Module, second: torch.Tensor):
+        out = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                loss = _loss(module(x)) + _loss(module(second))
+            loss.backward()
+            out.append((loss.detach().clone(), [p.grad.clone() for p in params_of.parameters()]))
+            params_of.zero_grad(set_to_none=True)
+        return out, []
+
+    try:
+        for second in (x.flip(1), x[:1]):  # the same shapes, and another batch
+            _assert_bitwise(steps(reference, reference, second), steps(wrapper, model, second))
+        assert any(not all(t) for t in wrapper._tables.values())
+    finally:
+        wrapper.close()
+
+
+def test_backward_twice_through_retained_regions_and_learning_calls():
+    """`loss.backward(retain_graph=True)` then `loss.backward()`: torch's checkpoint keeps saved
+    values for one backward only, so a region runs outside it where nothing is recomputed (its
+    learning call, and every call of a region whose units are all retained): bitwise equal to the
+    unplanned model, gradients summed over the two backwards."""
+    x = torch.randn(2, 3, 8, 8)
+    for method in ("retain", "recompute-all"):
+        model, reference = _Net(), _Net()
+        plan = _plan(model, x, method)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            wrapper = tp.compiled(model, plan)
+        try:
+            steps = 1 if method == "recompute-all" else 3  # a planned call's checkpoint allows one backward
+            for module, params_of in ((reference, reference), (wrapper, model)):
+                grads = []
+                for _ in range(steps):
+                    loss = _loss(module(x))
+                    loss.backward(retain_graph=True)
+                    loss.backward()
+                    grads.append([p.grad.clone() for p in params_of.parameters()])
+                    params_of.zero_grad(set_to_none=True)
+                if module is reference:
+                    want = grads
+            for a, b in zip(want, grads):
+                assert all(torch.equal(p, q) for p, q in zip(a, b))
+            assert all(r.retained for r in wrapper.regions) == (method == "retain")
+        finally:
+            wrapper.close()
+
+
+class _LstmBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.lstm(x)[0])
+
+
+@pytest.mark.slow
+def test_a_graph_break_inside_a_region_is_reported():
+    """Dynamo does not trace an nn.LSTM: the compiled step runs its regions' checkpoint eagerly,
+    every op saved, which the engine now says instead of leaving the plan silently unapplied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_LstmBlock(), _LstmBlock(), nn.Linear(8, 2))
+    x = torch.randn(2, 4, 8)
+    plan = _plan(model, x, "recompute-all")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        wrapper = tp.compiled(model, plan)
+    try:
+        torch._dynamo.reset()
+        with pytest.warns(RuntimeWarning, match="ran eagerly inside a compiled step"):
+            _loss(torch.compile(wrapper)(x)).backward()
+    finally:
+        wrapper.close()
+        torch._dynamo.reset()

@@ -126,3 +126,10 @@ def test_the_graph_handles_keep_what_a_custom_function_saved_without_its_output(
     assert trace.final_bytes == 1000 * x.element_size()  # the saved 2 x, not the output
     torch.autograd.backward(handles, [torch.zeros(0)])  # the saved values are still there
     torch.testing.assert_close(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("bad", [-5, 0, "lots"])
+def test_plan_compiled_refuses_a_budget_that_is_not_one(bad):
+    # a negative budget was searched and reported as "no plan ... fits -5 bytes"
+    with pytest.raises(ValueError, match="budget"):
+        plan_compiled(torch.nn.Linear(2, 2), (torch.randn(1, 2),), bad)

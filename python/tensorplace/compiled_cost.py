@@ -710,7 +710,7 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget: Any, loss_fn: O
     from .budget import parse_budget
     from .planning import Plan
 
-    b = int(budget) if isinstance(budget, int) else int(parse_budget(budget))
+    b = int(parse_budget(budget))  # refuses a budget that is not a positive number of bytes
     cm = cost_model or CompiledCostModel.measure(model, example_inputs, loss_fn, regions=regions, repeats=repeats,
                                                  options=options)
     actions, pred = cm.search(b, options)

@@ -39,8 +39,9 @@ Eager (no compile): torch's eager selective checkpointing, which caches the save
 re-runs the region for the others. Eagerly, an op's cached output must not be changed by a later
 in-place op of the region (the recomputed readers would see the changed value), and an op that
 writes into memory from outside the region (BatchNorm's running statistics) must not run twice.
-So the first call of each region (per input shapes) saves every op (correct for any model: nothing
-is re-run) and records the region's ops; later calls use the plan with these corrections: an op
+So the first call of each region (per input shapes, train/eval modes of its modules and autocast
+state) runs as the model's own forward, outside torch's checkpoint (correct for any model: nothing
+is re-run), and records the region's ops; later calls use the plan with these corrections: an op
 that writes outside the region is saved; an op and the in-place ops that modify its output are one
 group, saved if any of them is saved, else recomputed; a saved group's outputs that were read
 before their last modification make those readers saved too. Eager runs are bitwise equal to the
@@ -258,6 +259,8 @@ class Region:
     index: Dict[Tuple[str, int], int] = field(default_factory=dict)
     #: the module and its submodules (their train/eval modes select the ops a call runs)
     modules: List[nn.Module] = field(default_factory=list)
+    #: every unit retained: run eagerly as the model's own forward (no checkpoint)
+    retained: bool = False
 
 
 _STACK_PART = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]?([^'\"\]]+)['\"]?\]")
@@ -555,6 +558,8 @@ class CompiledPlan(nn.Module):
                                            if a != RETAIN and i not in in_region]
         self.actions = [RETAIN if (a == SWAP and not offload) or i not in in_region else a
                         for i, a in enumerate(actions)]
+        for reg in self.regions:
+            reg.retained = all(self.actions[i] != RECOMPUTE for i in reg.units)
         self._offload = offload
         #: how many traced ops the policy tagged with each CheckpointPolicy (name: count), over
         #: every compilation of this wrapper
@@ -585,6 +590,7 @@ class CompiledPlan(nn.Module):
         self._current_unit: Optional[int] = None
         self._in_forward = False
         self._pending_key: Any = None
+        self._warned_eager_checkpoint = False
         self._tables: Dict[Tuple[str, int, Any], List[bool]] = {}
         self._funcs: Dict[Tuple[str, int, Any], List[Any]] = {}
         self._handles: List[Any] = []
@@ -671,14 +677,24 @@ class CompiledPlan(nn.Module):
 
     def _eager_call_begins(self, reg: Region, call: "_RegionCall") -> None:
         key = self._pending_key
-        if key in self._tables:
+        if key is not None and key in self._tables:
             call.table = self._tables[key]
             call.funcs = self._funcs[key]
-        else:
-            call.learning = True
+            return
+        call.learning = True  # everything saved
+        if not self._warned_eager_checkpoint:
+            # the region's checkpoint ran eagerly, not through _eager_region: torch.compile fell
+            # back to eager for it (a graph break inside the region)
+            self._warned_eager_checkpoint = True
+            warnings.warn(
+                f"tensorplace.compiled: region {reg.name!r} ran eagerly inside a compiled step (torch.compile broke "
+                "the graph in it, e.g. at an nn.LSTM), so its ops were all saved: the plan does not apply there; "
+                "torch._dynamo.explain(wrapper)(*inputs) lists the graph breaks", RuntimeWarning, stacklevel=2)
 
     def _eager_region(self, reg: Region, original: Callable[..., Any], context_fn: Callable[[], Any],
                       args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if reg.retained:
+            return original(*args, **kwargs)  # nothing to recompute: the model's own forward
         k = self._calls.get(reg.name, 0)
         self._calls[reg.name] = k + 1
         shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -687,25 +703,19 @@ class CompiledPlan(nn.Module):
         # for fine-tuning), autocast
         modes = (tuple(m.training for m in reg.modules), _autocast_state())
         key = (reg.name, k, shapes, modes)
-        self._pending_key = key
         if key in self._tables:
-            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
-                                                     **kwargs)
-        # the first call of this region for these shapes: everything saved, the ops recorded
+            self._pending_key = key  # for context_fn
+            try:
+                return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
+                                                         **kwargs)
+            finally:
+                self._pending_key = None
+        # the first call of this region for these inputs and modes: the model's own forward (all
+        # saved, nothing recomputed: outside torch's checkpoint, whose saved values allow one
+        # backward only), its ops recorded
         recorder = _Recorder(lambda: self._current_unit, {b.untyped_storage()._cdata for b in self.model.buffers()})
-        state = {"forward": True}
-
-        def recorded(*a: Any, **kw: Any) -> Any:
-            if not state["forward"]:
-                return original(*a, **kw)
-            with recorder:
-                return original(*a, **kw)
-
-        try:
-            out = torch.utils.checkpoint.checkpoint(recorded, *args, use_reentrant=False, context_fn=context_fn,
-                                                    **kwargs)
-        finally:
-            state["forward"] = False
+        with recorder:
+            out = original(*args, **kwargs)
         P = torch.utils.checkpoint.CheckpointPolicy
         units = [op.unit if op.unit in reg.units else reg.units[0] for op in recorder.ops]
         wants = [self.op_policy(u, op.func) == P.MUST_SAVE for u, op in zip(units, recorder.ops)]
