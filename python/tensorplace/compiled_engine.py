@@ -492,8 +492,8 @@ class _RegionCall:
                 f"region {self.region.name!r} ran another sequence of ops than in its first call with these input "
                 f"shapes, train/eval modes and autocast state (op {i}: {func}): the eager compiled engine needs the "
                 "same ops at every such call (data-dependent control flow in the region, or autocast's weight cache "
-                "reused by a second forward in one autocast block); run such steps through the eager executor "
-                "(tensorplace.run) or torch.compile the wrapper")
+                "reused by a second forward in one autocast block: torch.autocast(..., cache_enabled=False)); run "
+                "such steps through the eager executor (tensorplace.run) or torch.compile the wrapper")
         return P.MUST_SAVE if self.table[i] else P.MUST_RECOMPUTE
 
 
