@@ -92,6 +92,13 @@ def _plan(model: nn.Module, x: torch.Tensor, method: str) -> tp.Plan:
     return tp.plan(copy.deepcopy(model), x, budget=1 << 40, loss_fn=_loss, method=method, repeats=1)
 
 
+def _wrap(model: nn.Module, plan) -> "tp.CompiledPlan":
+    """tp.compiled(model, plan), its warnings about units outside the regions ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # units outside the blocks run as retained
+        return tp.compiled(model, plan)
+
+
 def test_find_regions_takes_the_repeated_blocks():
     assert find_regions(_gpt()) == ["blocks.0", "blocks.1", "blocks.2"]
     assert find_regions(_Net()) == ["blocks.0", "blocks.1", "blocks.2"]
@@ -230,9 +237,7 @@ def test_torch_compile_of_the_wrapper_trains_as_the_compiled_unplanned_step():
     reference = copy.deepcopy(model)
     torch._dynamo.reset()
     want, want_state = _steps(torch.compile(reference), reference, x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, plan)
+    wrapper = _wrap(model, plan)
     try:
         torch._dynamo.reset()
         got, got_state = _steps(torch.compile(wrapper), model, x)
@@ -277,9 +282,7 @@ def test_a_wrapped_model_is_not_profiled_planned_or_wrapped_again():
     model = _gpt()
     x = _gpt_input()
     plan = _plan(model, x, "recompute-all")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, plan)
+    wrapper = _wrap(model, plan)
     try:
         for call in (lambda m: tp.plan(m, x, budget=1 << 40, loss_fn=_loss, method="retain", repeats=1),
                      lambda m: tp.run(m, plan), lambda m: tp.compiled(m, plan)):
@@ -326,9 +329,7 @@ def test_a_module_called_twice_is_two_units_of_the_plan():
     data = plan.to_dict()
     # the first call of each relu recomputed, the second retained: each call gets its own action
     data["actions"] = ["recompute" if not u.endswith("#1") else "retain" for u in plan.units]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, tp.Plan(data))
+    wrapper = _wrap(model, tp.Plan(data))
     try:
         reg = wrapper.regions[0]
         assert reg.index[("blocks.0.relu", 0)] == plan.units.index("blocks.0.relu")
@@ -346,9 +347,7 @@ def test_calling_the_model_itself_after_wrapping_applies_the_plan():
     model, x = _gpt(), _gpt_input()
     reference = copy.deepcopy(model)
     plan = _plan(model, x, "recompute-all")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, plan)
+    wrapper = _wrap(model, plan)
     try:
         _assert_bitwise(_steps(reference, reference, x, steps=4), _steps(model, model, x, steps=4))
         assert len(wrapper._tables) == len(wrapper.regions) == 3
@@ -364,9 +363,7 @@ def test_a_region_whose_modules_change_mode_learns_again():
     x = torch.randn(2, 3, 8, 8)
     model, reference = _Net(), _Net()
     plan = _plan(model, x, "recompute-all")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, plan)
+    wrapper = _wrap(model, plan)
     try:
         got, want = [], []
         for step in range(3):
@@ -397,9 +394,7 @@ def test_two_forwards_in_one_autocast_block_train_bitwise_without_its_weight_cac
     model, x = _gpt(), _gpt_input()
     reference = copy.deepcopy(model)
     plan = _plan(model, x, "recompute-all")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, plan)
+    wrapper = _wrap(model, plan)
 
     def steps(module: nn.Module, params_of: nn.Module, second: torch.Tensor):
         out = []
@@ -468,9 +463,7 @@ def test_a_graph_break_inside_a_region_is_reported():
     model = nn.Sequential(_LstmBlock(), _LstmBlock(), nn.Linear(8, 2))
     x = torch.randn(2, 4, 8)
     plan = _plan(model, x, "recompute-all")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        wrapper = tp.compiled(model, plan)
+    wrapper = _wrap(model, plan)
     try:
         torch._dynamo.reset()
         with pytest.warns(RuntimeWarning, match="ran eagerly inside a compiled step"):
