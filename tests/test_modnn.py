@@ -103,9 +103,11 @@ def test_gradient_accumulation_matches_full_batch_training() -> None:
 
     with pytest.raises(tp.PlannerError, match="full batch"):
         tp.accumulate(planned, x[:8], lambda out, yb: F.cross_entropy(out, yb), plan, targets=y[:8])
-    # run()'s module takes the plan's sub-batches directly, and no other shape but the full batch
+    # run()'s module takes the plan's sub-batches directly, and nothing larger in any dimension:
+    # not the whole batch (it trained as one step, over the budget), nor a sub-batch of wider rows
     sub = plan.settings["sub_batch"]
     planned(x[:sub]).sum().backward()
-    with pytest.raises(tp.PlannerError, match="re-plan"):
-        planned(x[: sub + 1])
+    for bad in (x, x[: sub + 1], torch.randn(sub, 64)):
+        with pytest.raises(tp.PlannerError, match="not a sub-batch of this moDNN plan.*tensorplace.accumulate"):
+            planned(bad)
     planned.close()

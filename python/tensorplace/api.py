@@ -227,6 +227,7 @@ class PlannedTraining(PlannedModule):
         self.sub_batch: Optional[int] = (
             int(settings["sub_batch"]) if int(settings.get("accumulation_steps", 1)) > 1 and "sub_batch" in settings else None
         )
+        self._sub_batches = int(settings.get("accumulation_steps", 1))
         fp = plan.model_fingerprint
         if fp:
             parts = dict(p.split(":", 1) for p in fp.split(";") if ":" in p)
@@ -329,14 +330,30 @@ class PlannedTraining(PlannedModule):
 
     # --- the step --------------------------------------------------------------------------
 
-    def _is_sub_batch(self, args: Sequence[Any]) -> bool:
+    def _check_sub_batch(self, args: Sequence[Any]) -> str:
+        """A moDNN plan's step is one sub-batch: inputs of the planned shapes with the sub-batch in
+        dimension 0 (or smaller), not the whole batch (its memory is the plan's only split)."""
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        return self.sub_batch is not None and first is not None and first.shape[0] == self.sub_batch
+        if self._planned_specs is None:  # a plan without input specs: the batch dimension only
+            rel = "same" if first is not None and first.shape[0] == self.sub_batch else "other"
+            why = f"dimension 0 is {None if first is None else first.shape[0]}"
+        else:
+            planned = [None if s is None else ((self.sub_batch,) + s[0][1:] if s[0] else s[0], s[1])
+                       for s in self._planned_specs]
+            rel, why = compare(input_specs(args), planned)
+        if rel != "other":
+            return rel
+        raise PlannerError(
+            f"inputs of shape {_describe_inputs(args)} are not a sub-batch of this moDNN plan ({why}): it trains "
+            f"{self._sub_batches} sub-batches of {self.sub_batch} samples of the planned inputs "
+            f"{self._planned_shapes} per step, whose memory is what the plan fits in the budget; give the whole batch "
+            "to tensorplace.accumulate(planned, inputs, loss_fn, plan), which splits it"
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_compile("tensorplace.run()")
         if self.model.training and torch.is_grad_enabled():
-            relation = "same" if self._is_sub_batch(args) else self.check_inputs(args)
+            relation = self._check_sub_batch(args) if self.sub_batch is not None else self.check_inputs(args)
             self.memory_check.at_step_start(args)
             self.executor = self._executor_for(args, relation)
         return super().forward(*args, **kwargs)
