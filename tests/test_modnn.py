@@ -56,6 +56,24 @@ def test_modnn_refuses_below_its_lower_bound_and_meets_the_budget_it_names() -> 
     assert plan.predicted["peak_bytes"] <= named
 
 
+def test_a_small_model_whose_whole_batch_needs_least_is_planned_at_its_unplanned_peak() -> None:
+    """Where the gradients dominate, the smallest sub-batch (holding them from its start) needs
+    more than the whole batch: moDNN took that sub-batch's bound as its own and refused budgets
+    up to 20% above the unplanned peak, naming one it then planned without a split."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    prof = tp.plan(model, x, "1GiB", loss_fn=lambda out: F.cross_entropy(out, y), method="retain", repeats=1).profile
+    up = tp.unplanned_peak(prof)
+    plan = tp.plan_profile(prof, up, "modnn")
+    assert plan.predicted["peak_bytes"] <= up
+    with pytest.raises(tp.BudgetError) as e:
+        tp.plan_profile(prof, tp.lower_bound(prof) // 2, "modnn")
+    named = e.value.args[1]
+    assert named <= up
+    assert tp.plan_profile(prof, named, "modnn").predicted["peak_bytes"] <= named
+
+
 def test_modnn_needs_a_batch_size() -> None:
     prof = tp.examples.profile("plain20", batch_size=32)
     prof["batch_size"] = None

@@ -248,13 +248,23 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
     })?;
     profile.graph()?;
     let cands = candidates(batch);
-    let smallest = *cands.last().expect("1 divides every batch");
     let graph_of = |b: u64, acc: bool| scale_profile(profile, batch, b, acc).graph();
-    // The lower bound of any moDNN plan: the smallest sub-batch, gradients accumulating.
-    let g1 = graph_of(smallest, batch / smallest > 1)?;
-    let (lb, _) = lower_bound(&g1);
+    // The lower bound of any moDNN plan: the least over the sub-batches (a smaller sub-batch has
+    // smaller activations but, accumulating, holds the gradients from its start; a small model's
+    // whole batch can need less than its smallest sub-batch).
+    let lbs: Vec<(u64, u64)> =
+        cands.iter().map(|&b| Ok((b, lower_bound(&graph_of(b, batch / b > 1)?).0))).collect::<Result<_>>()?;
+    let lb = lbs.iter().map(|&(_, l)| l).min().expect("1 divides every batch");
+    // The smallest budget at which moDNN's schedule fits some sub-batch.
+    let smallest_known = || -> Result<u64> {
+        let mut best = u64::MAX;
+        for &(b, l) in &lbs {
+            best = best.min(smallest_budget(&graph_of(b, batch / b > 1)?, &graph_of(b, false)?, l));
+        }
+        Ok(best)
+    };
     if budget < lb {
-        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest_budget(&g1, &graph_of(smallest, false)?, lb) });
+        return Err(CoreError::BudgetBelowLowerBound { budget, lower_bound: lb, smallest_known: smallest_known()? });
     }
     // A window never needs more than the whole step: a sub-batch whose unplanned step fits is
     // taken even where the window sum (every gradient, data counted whole) is above the budget.
@@ -267,7 +277,12 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
         .collect::<Result<_>>()?;
     let first_fit = windows.iter().position(|&(_, w)| w <= budget).unwrap_or(windows.len() - 1);
     let mut tried_sizes = Vec::new();
-    for (idx, &(b, wpeak)) in windows.iter().enumerate().skip(first_fit) {
+    // moDNN's order: the largest sub-batch whose window fits, then smaller ones; then, where none
+    // of those fits (their windows are estimates), the larger ones, so that a budget named as the
+    // smallest known (smallest_known: the least over every sub-batch) is met
+    let order = (first_fit..windows.len()).chain((0..first_fit).rev());
+    for idx in order {
+        let (b, wpeak) = windows[idx];
         let k = batch / b;
         let later_p = scale_profile(profile, batch, b, k > 1);
         let gl = later_p.graph()?;
@@ -301,7 +316,7 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
         plan.segment_starts = (0..gl.n).filter(|&u| gl.block_start[u]).collect();
         return Ok(plan);
     }
-    Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest_budget(&g1, &graph_of(smallest, false)?, lb), lower_bound: lb })
+    Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest_known()?, lower_bound: lb })
 }
 
 /// The smallest budget (to 0.001%) at which moDNN's schedule fits the smallest sub-batch (its
