@@ -57,3 +57,14 @@ def test_one_job_is_single_job_planning() -> None:
     assert job.actions == alone.actions and job.prefetch == alone.prefetch
     assert job.budget_bytes == alone.budget_bytes == budget
     assert job.predicted == alone.predicted
+
+
+def test_one_moDNN_job_below_the_whole_batch_lower_bound_is_single_job_planning() -> None:
+    # plan_jobs refused below the whole batch's lower bound before planning one job, where moDNN's
+    # sub-batches fit
+    prof = tp.examples.profile("plain20", batch_size=16)
+    budget = tp.lower_bound(prof) - 1
+    alone = tp.plan_profile(prof, budget, "modnn")
+    (job,) = tp.plan_jobs([prof], budget, "modnn")
+    assert job.actions == alone.actions and job.settings["sub_batch"] == alone.settings["sub_batch"] < 16
+    assert job.predicted == alone.predicted

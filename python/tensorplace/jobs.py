@@ -93,6 +93,11 @@ def plan_jobs(
     total = parse_budget(budget)
     profiles = [_job_profile(j, i) for i, j in enumerate(jobs)]
     lbs = [lower_bound(p, state_swaps=method == "tensile") for p in profiles]
+    if len(profiles) == 1:
+        # One job gets the whole budget: plain single-job planning (its refusals are the method's
+        # own: moDNN's sub-batches go below the whole batch's lower bound)
+        plans = [_carry(jobs[0], plan_profile(profiles[0], total, method, **search))]
+        return JobPlans(plans, _summary(total, method, objective, plans, lbs, []))
     if sum(lbs) > total:
         works = sum(_smallest_known(p, method) for p in profiles)
         raise _core.BudgetError(
@@ -102,11 +107,6 @@ def plan_jobs(
             "the smallest budget a simple plan meets: give at least that, or fewer jobs",
             works,
         )
-
-    if len(profiles) == 1:
-        # One job gets the whole budget: plain single-job planning.
-        plans = [_carry(jobs[0], plan_profile(profiles[0], total, method, **search))]
-        return JobPlans(plans, _summary(total, method, objective, plans, lbs, []))
 
     # Per job: plans at a grid of budgets (lower bound .. the most it can get), feasible ones only.
     options: List[List[Tuple[int, float, Plan]]] = []
