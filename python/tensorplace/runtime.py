@@ -86,7 +86,15 @@ def delta(
             bw = (float(profile["d2h_bandwidth"]), float(profile["h2d_bandwidth"]))
     if not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"threshold must be in (0, 1] (DELTA's is 0.75), got {threshold!r}")
-    return DeltaRuntime(parse_budget(budget), float(threshold), int(prefetch_depth), int(prefetch_lookahead),
+    total = parse_budget(budget)
+    for name, v, least in (("prefetch_depth", prefetch_depth, 0), ("prefetch_lookahead", prefetch_lookahead, 0),
+                           ("headroom", headroom, 0), ("constant_bytes", constant_bytes, 0)):
+        if isinstance(v, bool) or not hasattr(v, "__index__") or v < least:
+            raise ValueError(f"{name} must be a whole number of at least {least}, got {v!r}")
+    if headroom >= total:
+        raise ValueError(f"headroom ({headroom} bytes) leaves nothing of the budget ({total} bytes): give headroom "
+                         "well below the budget, a few percent of it for the scratch memory inside ops")
+    return DeltaRuntime(total, float(threshold), int(prefetch_depth), int(prefetch_lookahead),
                         int(headroom), bw, times, stage, int(constant_bytes), memory_counter, fixed)
 
 
