@@ -33,7 +33,22 @@ def _job_profile(job: JobLike, index: int) -> Dict[str, Any]:
     return json.loads(profile_json(job))
 
 
-def _smallest_known(profile: Dict[str, Any], method: str = "pso") -> int:
+#: methods whose plan is made without a search: their refusals name the budget they meet
+_NON_SEARCHING = ("capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta", "checkpoint-blocks", "sqrt",
+                  "retain", "swap-all", "recompute-all", "modnn")
+
+
+def _smallest_known(profile: Dict[str, Any], method: str = "pso", **search: Any) -> int:
+    """The smallest budget known to work for one job planned with ``method``: a method that does
+    not search is asked at the lower bound (its refusal names what it meets); else the smallest
+    budget a simple plan meets."""
+    if method in _NON_SEARCHING:
+        try:
+            plan = plan_profile(profile, max(lower_bound(profile, state_swaps=method == "tensile"), 1), method,
+                                **search)
+            return int(plan.budget_bytes)
+        except _core.BudgetError as e:
+            return int(e.args[1])
     # TENSILE may keep parameters and optimizer state on the host between steps
     return int(_core.smallest_known_budget(json.dumps(profile), state_swaps=method == "tensile")[0])
 
@@ -93,26 +108,35 @@ def plan_jobs(
     total = parse_budget(budget)
     profiles = [_job_profile(j, i) for i, j in enumerate(jobs)]
     lbs = [lower_bound(p, state_swaps=method == "tensile") for p in profiles]
+    # the least share each job can get: its lower bound, or what a method that does not search meets
+    floors = ([_smallest_known(p, method, **search) for p in profiles] if method in _NON_SEARCHING and len(profiles) > 1
+              else list(lbs))
     if len(profiles) == 1:
         # One job gets the whole budget: plain single-job planning (its refusals are the method's
         # own: moDNN's sub-batches go below the whole batch's lower bound)
         plans = [_carry(jobs[0], plan_profile(profiles[0], total, method, **search))]
         return JobPlans(plans, _summary(total, method, objective, plans, lbs, []))
     if sum(lbs) > total:
-        works = sum(_smallest_known(p, method) for p in profiles)
+        works = sum(_smallest_known(p, method, **search) for p in profiles)
         raise _core.BudgetError(
             f"shared budget {total} bytes ({format_bytes(total)}) is below the sum of the jobs' lower bounds, "
             f"{sum(lbs)} bytes ({format_bytes(sum(lbs))}: {', '.join(format_bytes(b) for b in lbs)}); the "
             f"smallest shared budget known to work is {works} bytes ({format_bytes(works)}), each job under "
-            "the smallest budget a simple plan meets: give at least that, or fewer jobs",
+            "the smallest budget known to work with this method: give at least that, or fewer jobs",
             works,
         )
 
-    # Per job: plans at a grid of budgets (lower bound .. the most it can get), feasible ones only.
+    if sum(floors) > total:
+        raise _core.BudgetError(
+            f"shared budget {total} bytes ({format_bytes(total)}) is below what method {method!r} needs for the jobs, "
+            f"{sum(floors)} bytes ({format_bytes(sum(floors))}: {', '.join(format_bytes(b) for b in floors)}): give at "
+            "least that, or use method=\"pso\", which searches every plan", sum(floors))
+
+    # Per job: plans at a grid of budgets (its floor .. the most it can get), feasible ones only.
     options: List[List[Tuple[int, float, Plan]]] = []
     for j, p in enumerate(profiles):
-        most = total - (sum(lbs) - lbs[j])
-        points = {lbs[j] + (most - lbs[j]) * g // (grid - 1) for g in range(grid)}
+        most = total - (sum(floors) - floors[j])
+        points = {floors[j] + (most - floors[j]) * g // (grid - 1) for g in range(grid)}
         up = unplanned_peak(p)
         if up < most:
             points.add(up)
@@ -124,11 +148,12 @@ def plan_jobs(
                 continue
             opts.append((b, float(plan.predicted["step_time"]), plan))
         if not opts:
-            works = sum(_smallest_known(q, method) for q in profiles)
+            works = sum(_smallest_known(q, method, **search) for q in profiles)
             raise _core.BudgetError(
                 f"job {j}: method {method!r} found no plan under any share up to {format_bytes(most)} of the shared "
                 f"budget {format_bytes(total)}; a shared budget of {works} bytes ({format_bytes(works)}) is known to "
-                "work (each job under the smallest budget a simple plan meets): raise the budget or use method=\"pso\"",
+                "work (each job under the smallest budget known to work with this method): raise the budget or use "
+                "method=\"pso\"",
                 works,
             )
         options.append(opts)

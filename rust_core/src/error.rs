@@ -14,6 +14,10 @@ pub enum CoreError {
     BudgetBelowLowerBound { budget: u64, lower_bound: u64, smallest_known: u64 },
     /// The search found no plan within the budget.
     NoFeasiblePlan { budget: u64, smallest_known: u64, lower_bound: u64 },
+    /// A method that does not search (a heuristic, a recipe) made no plan within the budget;
+    /// it meets `method_smallest` (None: not even at the unplanned peak), a simple plan
+    /// `smallest_known`.
+    MethodNeedsMore { method: String, budget: u64, method_smallest: Option<u64>, smallest_known: u64 },
     /// No plan was found whose simulated reserved memory fits a reserved budget.
     NoReservedPlan { budget: u64, smallest_known: u64, alloc_conf: String, rounds: usize },
     /// A search setting is out of range.
@@ -46,6 +50,23 @@ impl fmt::Display for CoreError {
                 "this method found no plan within the budget of {budget} bytes ({}), but a simple plan \
                  (all swap or all recompute) meets {smallest_known} bytes ({}) (lower bound {lower_bound} bytes): \
                  use method=\"pso\", which searches every plan, or raise the budget",
+                mib(*budget),
+                mib(*smallest_known)
+            ),
+            CoreError::MethodNeedsMore { method, budget, method_smallest: Some(own), smallest_known } => write!(
+                f,
+                "method {method:?} found no plan within the budget of {budget} bytes ({}); its plans fit from \
+                 {own} bytes ({}), and a simple plan (all swap or all recompute) meets {smallest_known} bytes ({}): \
+                 give {method:?} at least {own} bytes, or use method=\"pso\", which searches every plan",
+                mib(*budget),
+                mib(*own),
+                mib(*smallest_known)
+            ),
+            CoreError::MethodNeedsMore { method, budget, method_smallest: None, smallest_known } => write!(
+                f,
+                "method {method:?} found no plan within the budget of {budget} bytes ({}), nor at the unplanned \
+                 peak; a simple plan (all swap or all recompute) meets {smallest_known} bytes ({}): use \
+                 method=\"pso\", which searches every plan",
                 mib(*budget),
                 mib(*smallest_known)
             ),

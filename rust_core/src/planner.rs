@@ -48,8 +48,48 @@ fn trace_json(t: &Trace) -> serde_json::Value {
                                                    "stages": p.stages, "best": p.best})).collect::<Vec<_>>()})
 }
 
+/// Methods that make their plan without a search (so a budget they miss says little of what
+/// they need): a refusal of one names the smallest budget it meets, by bisection.
+const NON_SEARCHING: &[&str] =
+    &["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta", "checkpoint-blocks", "sqrt", "retain",
+      "swap-all", "recompute-all"];
+
 /// Plan `profile` under `budget` bytes with `method`.
 pub fn make_plan(
+    profile: &Profile,
+    budget: u64,
+    method: &str,
+    settings: &PlanSettings,
+    on_iteration: impl FnMut(usize, &crate::evaluator::Score),
+) -> Result<Plan> {
+    match make_plan_at(profile, budget, method, settings, on_iteration) {
+        Err(CoreError::NoFeasiblePlan { budget, smallest_known, .. }) if NON_SEARCHING.contains(&method) => {
+            // The least budget this method's plan fits, by bisection up to the unplanned peak
+            // (assuming more memory never hurts it; the result is checked).
+            let fits = |b: u64| make_plan_at(profile, b, method, settings, |_, _| {}).is_ok();
+            let hi0 = unplanned_peak(&profile.graph()?).max(budget + 1);
+            let method_smallest = if fits(hi0) {
+                let (mut lo, mut hi) = (budget, hi0);
+                while hi - lo > 1.max(hi / 100_000) {
+                    let mid = lo + (hi - lo) / 2;
+                    if fits(mid) {
+                        hi = mid;
+                    } else {
+                        lo = mid;
+                    }
+                }
+                Some(hi)
+            } else {
+                None
+            };
+            Err(CoreError::MethodNeedsMore { method: method.to_string(), budget, method_smallest, smallest_known })
+        }
+        r => r,
+    }
+}
+
+/// [`make_plan`] at one budget, without naming what a non-searching method meets.
+fn make_plan_at(
     profile: &Profile,
     budget: u64,
     method: &str,

@@ -22,6 +22,10 @@ fn to_py(e: CoreError) -> PyErr {
         CoreError::BudgetBelowLowerBound { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
         CoreError::NoFeasiblePlan { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
         CoreError::NoReservedPlan { smallest_known, .. } => BudgetError::new_err((e.to_string(), smallest_known)),
+        // the budget this method meets, where known (what a caller retrying the same method needs)
+        CoreError::MethodNeedsMore { method_smallest, smallest_known, .. } => {
+            BudgetError::new_err((e.to_string(), method_smallest.unwrap_or(smallest_known)))
+        }
         other => PlannerError::new_err(other.to_string()),
     }
 }
