@@ -68,3 +68,14 @@ def test_one_moDNN_job_below_the_whole_batch_lower_bound_is_single_job_planning(
     (job,) = tp.plan_jobs([prof], budget, "modnn")
     assert job.actions == alone.actions and job.settings["sub_batch"] == alone.settings["sub_batch"] < 16
     assert job.predicted == alone.predicted
+
+
+@pytest.mark.parametrize("method", ["sqrt", "superneurons", "delta"])
+def test_a_method_that_does_not_search_is_refused_naming_a_shared_budget_it_meets(method: str) -> None:
+    # plan_jobs named the sum of simple plans' budgets, which these methods then refused again
+    profs = _profiles()
+    with pytest.raises(tp.BudgetError, match=f"what method '{method}' needs") as e:
+        tp.plan_jobs(profs, sum(tp.lower_bound(p) for p in profs), method)
+    works = e.value.args[1]
+    res = tp.plan_jobs(profs, works, method, grid=3)
+    assert sum(p.predicted["peak_bytes"] for p in res) <= works
