@@ -110,8 +110,7 @@ pub fn smallest_known_budget(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>
     let mut best = (hi0, vec![Action::Retain; g.n]);
     for a in [Action::Swap, Action::Recompute] {
         let plan = vec![a; g.n];
-        let feasible = |b: u64, s: &mut Scratch| evaluate(g, &plan, b, opts, s, false).feasible;
-        if let Some(b) = bisect(lb, best.0, &mut scratch, feasible) {
+        if let Some(b) = bisect(lb, best.0, |b| evaluate(g, &plan, b, opts, &mut scratch, false).feasible) {
             if b < best.0 {
                 best = (b, plan);
             }
@@ -123,20 +122,20 @@ pub fn smallest_known_budget(g: &Graph, opts: &EvalOptions) -> (u64, Vec<Action>
 /// The smallest budget (to 0.001%) between the lower bound and the unplanned peak at which
 /// `actions` is feasible, or None.
 pub fn smallest_budget_of(g: &Graph, actions: &[Action], opts: &EvalOptions) -> Option<u64> {
-    let feasible = |b: u64, s: &mut Scratch| evaluate(g, actions, b, opts, s, false).feasible;
-    bisect(lower_bound(g).0, unplanned_peak(g), &mut Scratch::new(g.n), feasible)
+    let mut s = Scratch::new(g.n);
+    bisect(lower_bound(g).0, unplanned_peak(g), |b| evaluate(g, actions, b, opts, &mut s, false).feasible)
 }
 
-/// The smallest budget in (lo, hi] at which `feasible` holds, by bisection to 0.001% (None if it
-/// does not hold at `hi`).
-fn bisect(lo: u64, hi: u64, scratch: &mut Scratch, feasible: impl Fn(u64, &mut Scratch) -> bool) -> Option<u64> {
-    if !feasible(hi, scratch) {
+/// The smallest budget in [lo, hi] at which `feasible` holds, by bisection to 0.001% (None if it
+/// does not hold at `hi`; more memory is assumed never to hurt).
+pub fn bisect(lo: u64, hi: u64, mut feasible: impl FnMut(u64) -> bool) -> Option<u64> {
+    if !feasible(hi) {
         return None;
     }
     let (mut lo, mut hi) = (lo.saturating_sub(1), hi);
     while hi - lo > 1.max(hi / 100_000) {
         let mid = lo + (hi - lo) / 2;
-        if feasible(mid, scratch) {
+        if feasible(mid) {
             hi = mid;
         } else {
             lo = mid;
@@ -159,8 +158,8 @@ pub fn smallest_known_budget_with_swaps(g: &Graph, opts: &EvalOptions) -> (u64, 
     for a in [Action::Retain, Action::Swap, Action::Recompute] {
         let plan = vec![a; g.n];
         let feasible =
-            |b: u64, s: &mut Scratch| evaluate_with_swaps(g, &plan, &g.block_start, &all, b, opts, s, false).feasible;
-        if let Some(b) = bisect(lb, best.0, &mut scratch, feasible) {
+            |b: u64| evaluate_with_swaps(g, &plan, &g.block_start, &all, b, opts, &mut scratch, false).feasible;
+        if let Some(b) = bisect(lb, best.0, feasible) {
             if b < best.0 {
                 best = (b, plan, all.clone());
             }

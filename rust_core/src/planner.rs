@@ -67,21 +67,8 @@ pub fn make_plan(
             // The least budget this method's plan fits, by bisection up to the unplanned peak
             // (assuming more memory never hurts it; the result is checked).
             let fits = |b: u64| make_plan_at(profile, b, method, settings, |_, _| {}).is_ok();
-            let hi0 = unplanned_peak(&profile.graph()?).max(budget + 1);
-            let method_smallest = if fits(hi0) {
-                let (mut lo, mut hi) = (budget, hi0);
-                while hi - lo > 1.max(hi / 100_000) {
-                    let mid = lo + (hi - lo) / 2;
-                    if fits(mid) {
-                        hi = mid;
-                    } else {
-                        lo = mid;
-                    }
-                }
-                Some(hi)
-            } else {
-                None
-            };
+            let hi = unplanned_peak(&profile.graph()?).max(budget + 1);
+            let method_smallest = crate::peak::bisect(budget + 1, hi, fits);
             Err(CoreError::MethodNeedsMore { method: method.to_string(), budget, method_smallest, smallest_known })
         }
         r => r,

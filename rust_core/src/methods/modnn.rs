@@ -330,18 +330,9 @@ fn smallest_budget(glater: &Graph, gfirst: &Graph, lb: u64) -> u64 {
             .iter()
             .all(|g| evaluate_segments(g, &a, &g.block_start, b, &opts, &mut Scratch::new(g.n), false).feasible)
     };
-    let mut hi = unplanned_peak(glater).max(unplanned_peak(gfirst)).max(lb);
-    let mut lo = lb.saturating_sub(1);
+    let hi = unplanned_peak(glater).max(unplanned_peak(gfirst)).max(lb);
     if fits(lb) {
         return lb;
     }
-    while hi - lo > 1.max(hi / 100_000) {
-        let mid = lo + (hi - lo) / 2;
-        if fits(mid) {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    hi
+    crate::peak::bisect(lb, hi, fits).unwrap_or(hi)
 }
