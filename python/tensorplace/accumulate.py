@@ -31,7 +31,8 @@ def _split(values: Tuple[Any, ...], batch: int, sub: int, what: str) -> Sequence
             shape = tuple(v.shape)
             raise PlannerError(
                 f"{what} of shape {shape}: the plan splits a batch of {batch} samples along dimension 0 into "
-                f"sub-batches of {sub}; give the full batch the plan was made for"
+                f"sub-batches of {sub}; give the full batch the plan was made for, with the samples in dimension 0 "
+                "(targets flattened to (batch * length,) too: keep them (batch, length) and flatten in loss_fn)"
             )
     return [
         tuple(v.narrow(0, start, sub) if isinstance(v, torch.Tensor) else v for v in values)
