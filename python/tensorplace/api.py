@@ -228,6 +228,11 @@ class PlannedTraining(PlannedModule):
             int(settings["sub_batch"]) if int(settings.get("accumulation_steps", 1)) > 1 and "sub_batch" in settings else None
         )
         self._sub_batches = int(settings.get("accumulation_steps", 1))
+        #: a moDNN plan's step inputs: the planned specs with its sub-batch in dimension 0
+        self._sub_batch_specs: Optional[List[Spec]] = None
+        if self.sub_batch is not None and self._planned_specs is not None:
+            self._sub_batch_specs = [None if s is None else ((self.sub_batch,) + s[0][1:] if s[0] else s[0], s[1])
+                                     for s in self._planned_specs]
         fp = plan.model_fingerprint
         if fp:
             parts = dict(p.split(":", 1) for p in fp.split(";") if ":" in p)
@@ -281,9 +286,8 @@ class PlannedTraining(PlannedModule):
             return "same"
         why = "the plan records no input shapes to compare with"
         if self._planned_specs is not None:
-            planned = self._planned_specs
-            if self.sub_batch is not None:  # a moDNN plan's steps are of its sub-batch (tensorplace.accumulate)
-                planned = [None if s is None else ((self.sub_batch,) + s[0][1:] if s[0] else s[0], s[1]) for s in planned]
+            # a moDNN plan's steps are of its sub-batch (tensorplace.accumulate)
+            planned = self._sub_batch_specs if self._sub_batch_specs is not None else self._planned_specs
             rel, why = compare(input_specs(args), planned)
             if rel != "other":
                 return rel
@@ -334,13 +338,11 @@ class PlannedTraining(PlannedModule):
         """A moDNN plan's step is one sub-batch: inputs of the planned shapes with the sub-batch in
         dimension 0 (or smaller), not the whole batch (its memory is the plan's only split)."""
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        if self._planned_specs is None:  # a plan without input specs: the batch dimension only
+        if self._sub_batch_specs is None:  # a plan without input specs: the batch dimension only
             rel = "same" if first is not None and first.shape[0] == self.sub_batch else "other"
             why = f"dimension 0 is {None if first is None else first.shape[0]}"
         else:
-            planned = [None if s is None else ((self.sub_batch,) + s[0][1:] if s[0] else s[0], s[1])
-                       for s in self._planned_specs]
-            rel, why = compare(input_specs(args), planned)
+            rel, why = compare(input_specs(args), self._sub_batch_specs)
         if rel != "other":
             return rel
         raise PlannerError(
