@@ -108,16 +108,21 @@ def plan_jobs(
     total = parse_budget(budget)
     profiles = [_job_profile(j, i) for i, j in enumerate(jobs)]
     lbs = [lower_bound(p, state_swaps=method == "tensile") for p in profiles]
-    # the least share each job can get: its lower bound, or what a method that does not search meets
-    floors = ([_smallest_known(p, method, **search) for p in profiles] if method in _NON_SEARCHING and len(profiles) > 1
-              else list(lbs))
     if len(profiles) == 1:
         # One job gets the whole budget: plain single-job planning (its refusals are the method's
         # own: moDNN's sub-batches go below the whole batch's lower bound)
         plans = [_carry(jobs[0], plan_profile(profiles[0], total, method, **search))]
         return JobPlans(plans, _summary(total, method, objective, plans, lbs, []))
+    # the least share each job can get: its lower bound, or what a method that does not search meets
+    floors = [_smallest_known(p, method, **search) for p in profiles] if method in _NON_SEARCHING else list(lbs)
+
+    def known_to_work() -> int:
+        """A shared budget known to work: each job under the smallest budget known to work with the
+        method (for a searching method, a simple plan's: found only when refusing)."""
+        return sum(floors) if method in _NON_SEARCHING else sum(_smallest_known(p, method) for p in profiles)
+
     if sum(lbs) > total:
-        works = sum(_smallest_known(p, method, **search) for p in profiles)
+        works = known_to_work()
         raise _core.BudgetError(
             f"shared budget {total} bytes ({format_bytes(total)}) is below the sum of the jobs' lower bounds, "
             f"{sum(lbs)} bytes ({format_bytes(sum(lbs))}: {', '.join(format_bytes(b) for b in lbs)}); the "
@@ -148,7 +153,7 @@ def plan_jobs(
                 continue
             opts.append((b, float(plan.predicted["step_time"]), plan))
         if not opts:
-            works = sum(_smallest_known(q, method, **search) for q in profiles)
+            works = known_to_work()
             raise _core.BudgetError(
                 f"job {j}: method {method!r} found no plan under any share up to {format_bytes(most)} of the shared "
                 f"budget {format_bytes(total)}; a shared budget of {works} bytes ({format_bytes(works)}) is known to "
