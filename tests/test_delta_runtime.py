@@ -402,7 +402,7 @@ def test_run_takes_the_policy_or_a_delta_plan_with_runtime() -> None:
     with pytest.raises(ValueError, match="threshold"):
         tp.delta("1GiB", threshold=1.5)
     # refused when the policy is made, not at the first step (or never: a headroom above the budget)
-    for bad, match in ((dict(headroom=-5), "headroom must be a whole number of at least 0"),
+    for bad, match in ((dict(headroom=-5), "headroom must be 0 or more, got -5"),
                        (dict(headroom=2**30), "headroom .* leaves nothing of the budget"),
                        (dict(prefetch_depth=-1), "prefetch_depth must be"), (dict(prefetch_lookahead=1.5), "prefetch_lookahead")):
         with pytest.raises(ValueError, match=match):

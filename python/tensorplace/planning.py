@@ -236,8 +236,9 @@ def _fixed_text(fixed: Optional[Dict[str, Any]]) -> str:
     )
 
 
-def _check_counts(**counts: Optional[int]) -> None:
-    """Search settings that count something are whole numbers, none negative (None: not set)."""
+def check_counts(**counts: Optional[int]) -> None:
+    """Settings that count something are whole numbers, none negative (None: not set); else
+    PlannerError (a ValueError) naming the setting."""
     for name, v in counts.items():
         if v is None:
             continue
@@ -331,7 +332,7 @@ def plan_profile(
     """
     if budget_kind not in BUDGET_KINDS:
         raise _core.PlannerError(f"budget_kind {budget_kind!r}: use one of {', '.join(BUDGET_KINDS)}")
-    _check_counts(particles=particles, iterations=iterations, seed=seed, threads=threads, restarts=restarts,
+    check_counts(particles=particles, iterations=iterations, seed=seed, threads=threads, restarts=restarts,
                   relinks=relinks, reserved_rounds=reserved_rounds, prefetch_lookahead=prefetch_lookahead,
                   patience=patience)
     if choose_starts and method not in MILP_METHODS:

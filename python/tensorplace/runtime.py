@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ._core import PlannerError
 from .budget import Budget, parse_budget
+from .planning import check_counts
 
 __all__ = ["DeltaRuntime", "delta", "delta_from_plan"]
 
@@ -87,10 +88,8 @@ def delta(
     if not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"threshold must be in (0, 1] (DELTA's is 0.75), got {threshold!r}")
     total = parse_budget(budget)
-    for name, v, least in (("prefetch_depth", prefetch_depth, 0), ("prefetch_lookahead", prefetch_lookahead, 0),
-                           ("headroom", headroom, 0), ("constant_bytes", constant_bytes, 0)):
-        if isinstance(v, bool) or not hasattr(v, "__index__") or v < least:
-            raise ValueError(f"{name} must be a whole number of at least {least}, got {v!r}")
+    check_counts(prefetch_depth=prefetch_depth, prefetch_lookahead=prefetch_lookahead, headroom=headroom,
+                 constant_bytes=constant_bytes)
     if headroom >= total:
         raise ValueError(f"headroom ({headroom} bytes) leaves nothing of the budget ({total} bytes): give headroom "
                          "well below the budget, a few percent of it for the scratch memory inside ops")
