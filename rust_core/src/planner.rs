@@ -84,7 +84,7 @@ fn make_plan_at(
     on_iteration: impl FnMut(usize, &crate::evaluator::Score),
 ) -> Result<Plan> {
     if method == "modnn" {
-        // moDNN checks its own lower bound (at its smallest sub-batch) and evaluates per sub-batch.
+        // moDNN checks its own lower bound (the least over its sub-batches) and evaluates per sub-batch.
         return crate::methods::modnn::make_plan(profile, budget);
     }
     let g = profile.graph()?;

@@ -252,14 +252,22 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
     // The lower bound of any moDNN plan: the least over the sub-batches (a smaller sub-batch has
     // smaller activations but, accumulating, holds the gradients from its start; a small model's
     // whole batch can need less than its smallest sub-batch).
-    let lbs: Vec<(u64, u64)> =
-        cands.iter().map(|&b| Ok((b, lower_bound(&graph_of(b, batch / b > 1)?).0))).collect::<Result<_>>()?;
-    let lb = lbs.iter().map(|&(_, l)| l).min().expect("1 divides every batch");
+    // Per candidate sub-batch, the graph of its later sub-steps (gradients accumulating where the
+    // batch is split) and its lower bound.
+    let later: Vec<(Graph, u64)> = cands
+        .iter()
+        .map(|&b| {
+            let g = graph_of(b, batch / b > 1)?;
+            let l = lower_bound(&g).0;
+            Ok((g, l))
+        })
+        .collect::<Result<_>>()?;
+    let lb = later.iter().map(|&(_, l)| l).min().expect("1 divides every batch");
     // The smallest budget at which moDNN's schedule fits some sub-batch.
     let smallest_known = || -> Result<u64> {
         let mut best = u64::MAX;
-        for &(b, l) in &lbs {
-            best = best.min(smallest_budget(&graph_of(b, batch / b > 1)?, &graph_of(b, false)?, l));
+        for (&b, (g, l)) in cands.iter().zip(&later) {
+            best = best.min(smallest_budget(g, &graph_of(b, false)?, *l));
         }
         Ok(best)
     };
@@ -268,13 +276,8 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
     }
     // A window never needs more than the whole step: a sub-batch whose unplanned step fits is
     // taken even where the window sum (every gradient, data counted whole) is above the budget.
-    let windows: Vec<(u64, u64)> = cands
-        .iter()
-        .map(|&b| {
-            let g = graph_of(b, batch / b > 1)?;
-            Ok((b, window_peak(&g).min(unplanned_peak(&g))))
-        })
-        .collect::<Result<_>>()?;
+    let windows: Vec<(u64, u64)> =
+        cands.iter().zip(&later).map(|(&b, (g, _))| (b, window_peak(g).min(unplanned_peak(g)))).collect();
     let first_fit = windows.iter().position(|&(_, w)| w <= budget).unwrap_or(windows.len() - 1);
     let mut tried_sizes = Vec::new();
     // moDNN's order: the largest sub-batch whose window fits, then smaller ones; then, where none
@@ -319,8 +322,8 @@ pub fn make_plan(profile: &Profile, budget: u64) -> Result<Plan> {
     Err(CoreError::NoFeasiblePlan { budget, smallest_known: smallest_known()?, lower_bound: lb })
 }
 
-/// The smallest budget (to 0.001%) at which moDNN's schedule fits the smallest sub-batch (its
-/// first and its later sub-batches), by bisection between the lower bound and that sub-batch's
+/// The smallest budget (to 0.001%) at which moDNN's schedule fits one sub-batch size (the graphs
+/// of its later and its first sub-steps), by bisection between its lower bound `lb` and its
 /// unplanned peak (where all-retain fits).
 fn smallest_budget(glater: &Graph, gfirst: &Graph, lb: u64) -> u64 {
     let fits = |b: u64| {
