@@ -1713,6 +1713,8 @@ pub(crate) struct Hooks<'h> {
     pub replays: f64,
     /// Forward and backward stages simulated (counted at their end).
     pub stages: u64,
+    /// The last slot saved (None: none yet).
+    pub saved: Option<usize>,
     /// The plan swaps (set by [`score_hooked`]): until a stage first overflows, a later first
     /// overflow may have the step simulated again with prefetches moved ([`run_with_events`]).
     pub swaps: bool,
@@ -1734,6 +1736,7 @@ impl Hooks<'_> {
             let slot = stage / self.stride;
             if slot >= self.first_slot && slot - self.first_slot < self.save.len() {
                 self.save[slot - self.first_slot].capture(stage, sim);
+                self.saved = Some(slot);
             }
         }
     }

@@ -60,11 +60,16 @@ pub struct Worker {
     /// Forward and backward stages simulated so far (a work count that does not depend on the
     /// machine's load).
     pub stages: u64,
+    /// The states of the plan a caller changes one dimension at a time
+    /// ([`Context::score_changed`]): `prefix[k]` is its state at the start of forward stage
+    /// `k * stride`, for k up to `prefix_valid`.
+    prefix: Vec<SimState>,
+    prefix_valid: usize,
 }
 
 impl Worker {
     pub fn new(n: usize) -> Worker {
-        Worker { scratch: Scratch::new(n), stages: 0 }
+        Worker { scratch: Scratch::new(n), ..Worker::default() }
     }
 }
 
@@ -180,6 +185,41 @@ impl<'a> Context<'a> {
         self.run(plan, None, 0, &mut [], bound, w)
     }
 
+    /// Start a plan that the caller changes one dimension at a time and scores with
+    /// [`Context::score_changed`] (the swarm's sweep): no state of it is known yet.
+    pub fn start_changes(&self, w: &mut Worker) {
+        if w.prefix.len() != self.slots() {
+            w.prefix = vec![SimState::default(); self.slots()];
+        }
+        w.prefix_valid = 0;
+    }
+
+    /// The plan of [`Context::start_changes`] changes from unit `changed_from` on (units before
+    /// it stay): its states from the first stage that can differ are no longer known. `plan` is
+    /// the plan before or after the change (the two agree before `changed_from`).
+    pub fn changed(&self, plan: &[Action], changed_from: usize, w: &mut Worker) {
+        w.prefix_valid = w.prefix_valid.min(self.affected_from(plan, changed_from) / self.stride);
+    }
+
+    /// The score of `plan` (None when it cannot beat `bound`), which agrees with the plan of
+    /// [`Context::start_changes`] on every unit before `changed_from`: resumed from that plan's
+    /// latest known state at or before the first stage the change can affect, and saving the
+    /// states up to that stage, which the two plans share. Exact, as [`Context::score`].
+    pub fn score_changed(&self, plan: &[Action], changed_from: usize, bound: Option<Score>, w: &mut Worker) -> Option<Score> {
+        let last = self.affected_from(plan, changed_from.min(plan.len().saturating_sub(1))) / self.stride;
+        let from = w.prefix_valid.min(last);
+        let mut prefix = std::mem::take(&mut w.prefix);
+        let (head, tail) = prefix.split_at_mut(from + 1);
+        let resume = if from == 0 { None } else { Some(&head[from]) };
+        let mut saved = None;
+        let s = self.run_saving(plan, resume, from + 1, &mut tail[..last - from], bound, w, &mut saved);
+        w.prefix = prefix;
+        if let Some(k) = saved {
+            w.prefix_valid = w.prefix_valid.max(k);
+        }
+        s
+    }
+
     fn run(
         &self,
         plan: &[Action],
@@ -188,6 +228,21 @@ impl<'a> Context<'a> {
         save: &mut [SimState],
         bound: Option<Score>,
         w: &mut Worker,
+    ) -> Option<Score> {
+        self.run_saving(plan, resume, first_slot, save, bound, w, &mut None)
+    }
+
+    /// As `run`, and `saved` is the last slot it saved (None: none).
+    #[allow(clippy::too_many_arguments)]
+    fn run_saving(
+        &self,
+        plan: &[Action],
+        resume: Option<&SimState>,
+        first_slot: usize,
+        save: &mut [SimState],
+        bound: Option<Score>,
+        w: &mut Worker,
+        saved: &mut Option<usize>,
     ) -> Option<Score> {
         let mut hooks = Hooks {
             resume,
@@ -200,9 +255,11 @@ impl<'a> Context<'a> {
             stages: 0,
             swaps: false,
             replays: 0.0,
+            saved: None,
         };
         let s = score_hooked(self.g, plan, self.starts, self.budget, self.opts, &mut w.scratch, &mut hooks);
         w.stages += hooks.stages;
+        *saved = hooks.saved;
         s
     }
 }

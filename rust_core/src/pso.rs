@@ -160,7 +160,9 @@ fn random_plan(space: &Space, rng: &mut ChaCha8Rng) -> Vec<Action> {
 }
 
 /// One particle's sweep (Algorithm 3, lines 4-13) over the dimensions of `space`. Returns its
-/// new score and evaluation count.
+/// new score and evaluation count. Each candidate is scored resumed from the particle's own
+/// states, saved as the sweep goes (crate::incremental's `Context::score_changed`): the
+/// dimensions before one do not change while it is tried, so neither does the step up to it.
 fn sweep(
     ctx: &Context,
     space: &Space,
@@ -171,11 +173,14 @@ fn sweep(
     p2: &[Action],
 ) -> (Score, u64) {
     let mut evals = 0u64;
+    ctx.start_changes(w);
     for j in 0..space.dims() {
         let (c1, c2) = (space.action(p1, j), space.action(p2, j));
         let orig = space.action(cur, j);
+        let from = space.first(j);
         if c1 == c2 {
             if orig != c1 {
+                ctx.changed(cur, from, w);
                 space.set(cur, j, c1);
                 cur_score = None;
             }
@@ -187,18 +192,18 @@ fn sweep(
             Some(s) if orig == c1 => {
                 space.set(cur, j, c2);
                 evals += 1;
-                (Some(s), ctx.score_full(cur, Some(s), w))
+                (Some(s), ctx.score_changed(cur, from, Some(s), w))
             }
             Some(s) => {
                 space.set(cur, j, c1);
                 evals += 1;
-                (ctx.score_full(cur, Some(s), w), Some(s))
+                (ctx.score_changed(cur, from, Some(s), w), Some(s))
             }
             None => {
                 space.set(cur, j, c1);
-                let o1 = ctx.score_full(cur, None, w).expect("no bound");
+                let o1 = ctx.score_changed(cur, from, None, w).expect("no bound");
                 space.set(cur, j, c2);
-                let o2 = ctx.score_full(cur, Some(o1), w);
+                let o2 = ctx.score_changed(cur, from, Some(o1), w);
                 evals += 2;
                 (Some(o1), o2)
             }
@@ -211,12 +216,15 @@ fn sweep(
             (None, Some(y)) => (c2, y),
             (None, None) => unreachable!("one candidate is scored in full"),
         };
+        if a != orig {
+            ctx.changed(cur, from, w);
+        }
         space.set(cur, j, a);
         cur_score = Some(s);
     }
     match cur_score {
         Some(s) => (s, evals),
-        None => (ctx.score_full(cur, None, w).expect("no bound"), evals + 1),
+        None => (ctx.score_changed(cur, cur.len() - 1, None, w).expect("no bound"), evals + 1),
     }
 }
 

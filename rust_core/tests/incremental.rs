@@ -146,6 +146,74 @@ fn resumed_and_bounded_moves_score_as_full_evaluations_with_forward_held_until()
     assert!(stopped > 100, "only {stopped} bounded evaluations stopped early");
 }
 
+/// A plan changed one unit at a time, as the swarm's sweep does (`Context::score_changed`, the
+/// plan's states saved as it goes), scores as the full evaluation: units in order and in any
+/// order (a block-wise dimension's first unit comes before earlier dimensions' later units),
+/// with and without bounds, kept or not.
+fn check_changes(g: &Graph, rng: &mut ChaCha8Rng, opts: &EvalOptions, sweeps: usize) -> usize {
+    let budget = random_budget(rng, g);
+    let ctx = Context::new(g, budget, opts);
+    let mut w = Worker::new(g.n);
+    let mut s2 = Scratch::new(g.n);
+    let full = |p: &[Action], s: &mut Scratch| score(g, p, budget, opts, s);
+    let mut stopped = 0;
+    for sweep in 0..sweeps {
+        let mut plan = random_plan(rng, g.n);
+        let mut order: Vec<usize> = (0..g.n).collect();
+        if sweep % 2 == 1 {
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.gen_range(0..=i));
+            }
+        }
+        ctx.start_changes(&mut w);
+        let mut cur = full(&plan, &mut s2);
+        for &j in &order {
+            let orig = plan[j];
+            let a = Action::ALL[rng.gen_range(0..3)];
+            if a == orig {
+                continue;
+            }
+            plan[j] = a;
+            let want = full(&plan, &mut s2);
+            let bound = if rng.gen_bool(0.5) { Some(cur) } else { None };
+            match ctx.score_changed(&plan, j, bound, &mut w) {
+                Some(s) => assert_eq!(s, want, "change at unit {j}: resumed {s:?}, full {want:?}\nplan {plan:?}"),
+                None => {
+                    stopped += 1;
+                    assert!(bound.expect("a bound").better_than(&want), "stopped, but the plan scores {want:?}");
+                }
+            }
+            if rng.gen_bool(0.5) {
+                // kept: the plan changed from unit j on
+                ctx.changed(&plan, j, &mut w);
+                cur = want;
+            } else {
+                plan[j] = orig;
+            }
+        }
+        assert_eq!(ctx.score_changed(&plan, g.n - 1, None, &mut w), Some(cur), "the plan at the sweep's end");
+    }
+    stopped
+}
+
+#[test]
+fn changes_one_unit_at_a_time_score_as_full_evaluations() {
+    let mut stopped = 0;
+    for seed in 0..300u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(20_000 + seed);
+        let p = random_profile(&mut rng, if seed % 4 == 0 { 60 } else { 16 });
+        let g = p.graph().unwrap();
+        let opts = random_opts(&mut rng);
+        stopped += check_changes(&g, &mut rng, &opts, 3);
+    }
+    for (k, m) in ["resnet50", "mobilenet_v2"].iter().enumerate() {
+        let g = bundled(m).graph().unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(30_000 + k as u64);
+        stopped += check_changes(&g, &mut rng, &EvalOptions::default(), 2);
+    }
+    assert!(stopped > 100, "only {stopped} bounded evaluations stopped early");
+}
+
 fn data(name: &str) -> Profile {
     let path = format!("{}/tests/data/{name}.json", env!("CARGO_MANIFEST_DIR"));
     Profile::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
