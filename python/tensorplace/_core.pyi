@@ -4,6 +4,8 @@ from typing import List, Optional, Tuple
 
 PROFILE_VERSION: int
 PLAN_VERSION: int
+# the methods that plan without a search (a refusal names the smallest budget their plan fits)
+NON_SEARCHING_METHODS: List[str]
 
 class PlannerError(ValueError):
     """A profile, plan or setting the planner refuses."""

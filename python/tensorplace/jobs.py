@@ -34,8 +34,8 @@ def _job_profile(job: JobLike, index: int) -> Dict[str, Any]:
 
 
 #: methods whose plan is made without a search: their refusals name the budget they meet
-_NON_SEARCHING = ("capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta", "checkpoint-blocks", "sqrt",
-                  "retain", "swap-all", "recompute-all", "modnn")
+# the core's methods that plan without a search, and moDNN (planned here, in Python)
+_NON_SEARCHING = (*_core.NON_SEARCHING_METHODS, "modnn")
 
 
 def _smallest_known(profile: Dict[str, Any], method: str = "pso", **search: Any) -> int:

@@ -49,8 +49,9 @@ fn trace_json(t: &Trace) -> serde_json::Value {
 }
 
 /// Methods that make their plan without a search (so a budget they miss says little of what
-/// they need): a refusal of one names the smallest budget it meets, by bisection.
-const NON_SEARCHING: &[&str] =
+/// they need): a refusal of one names the smallest budget it meets, by bisection. (Python's
+/// `_core.NON_SEARCHING_METHODS`, which python/tensorplace/jobs.py reads.)
+pub const NON_SEARCHING: &[&str] =
     &["capuchin", "superneurons", "vdnn", "vdnn-sync", "tensile", "delta", "checkpoint-blocks", "sqrt", "retain",
       "swap-all", "recompute-all"];
 

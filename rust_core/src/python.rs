@@ -479,6 +479,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BudgetError", m.py().get_type::<BudgetError>())?;
     m.add("PROFILE_VERSION", crate::profile::PROFILE_VERSION)?;
     m.add("PLAN_VERSION", crate::plan::PLAN_VERSION)?;
+    m.add("NON_SEARCHING_METHODS", crate::planner::NON_SEARCHING.to_vec())?;
     m.add_function(wrap_pyfunction!(validate_profile, m)?)?;
     m.add_function(wrap_pyfunction!(profile_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(profile_graph, m)?)?;
