@@ -13,6 +13,12 @@
 //! what a segment holds and regenerates depends on all of its units, and a rule of the cost model
 //! that charged something at a segment's first stage would still be resumed before it.
 //!
+//! The swarm's sweep changes one dimension of a particle at a time, front to back: there a
+//! worker keeps the states of the particle's own plan, saved by its candidates' evaluations up to
+//! the stage each can affect (which the plan and the candidate share), and each candidate resumes
+//! from the latest one ([`Context::score_changed`]); a kept change forgets the states after the
+//! stage it affects ([`Context::changed`]).
+//!
 //! The bound: a search only needs to know whether a move beats a score (the current plan's, the
 //! other candidate's). The step time only grows (stage times, stalls and replays are never
 //! negative) and the excess over the budget never shrinks, so after each stage the simulation
