@@ -4,7 +4,7 @@
 //! order; for unit j it tries the action of the last iteration's best particle (P1) and the
 //! action of its own best-ever plan (P2), evaluating each with the evaluator, and keeps the
 //! better (P2 on a tie, as in the paper). Two legitimate speed-ups that do not change the result:
-//! when P1[j] == P2[j] the choice is forced and nothing is evaluated, and a candidate equal to the
+//! when `P1[j] == P2[j]` the choice is forced and nothing is evaluated, and a candidate equal to the
 //! particle's current plan reuses its known score; and a particle whose last sweep left it where
 //! it was, with the same P1 and P2 as then, is at a fixed point of the sweep and is not swept
 //! again (the sweep is deterministic). Particles are updated in parallel (rayon); all
@@ -19,7 +19,9 @@
 //! search, crate::blockwise) one per place of a class of repeated blocks. A sweep then sets one
 //! dimension (a group of units) at a time. The candidate the particle's plan already has keeps
 //! its score, and the other is evaluated with that score as a bound (crate::incremental): one
-//! that cannot beat it stops early, which changes nothing but the work.
+//! that cannot beat it stops early, which changes nothing but the work. Each candidate resumes
+//! from the particle's own state at the stage its dimension can first affect (saved by the
+//! sweep's earlier candidates), which changes nothing but the work either.
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
