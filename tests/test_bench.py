@@ -773,7 +773,35 @@ def test_link_capped_bench_measures_swap_heavy_plans_within_their_predicted_peak
     assert [row["plan"] for row in rows] == ["swap-all", "vdnn 0.40", "milp-swap 0.40", "pso 0.40"]
     assert rows[0]["swap"] > 0 and rows[0]["recompute"] == 0
     assert all(row["measured_peak_bytes"] <= row["predicted_peak_bytes"] for row in rows), rows
+    assert all(row["speed"] > 0 and row["predicted_step_at_speed"] > 0 and len(row["plain_steps"]) == 1
+               for row in rows), rows
     assert "| swap-all |" in r.stdout
+
+
+def test_link_capped_bench_predicts_at_the_measured_speed_by_scaling_compute_not_copies() -> None:
+    """benches/link_capped.py's prediction at the machine's speed: a profile twice as slow takes
+    twice the all-retain step, and its swap-all plan's copies take what the link takes for their
+    bytes, as before."""
+    import runpy
+
+    import tensorplace as tp
+    from tensorplace import examples
+
+    root = Path(__file__).resolve().parents[1]
+    at_speed = runpy.run_path(str(root / "benches" / "link_capped.py"), run_name="checked")["at_speed"]
+    prof = examples.profile("vgg16", batch_size=8)
+    slow = at_speed(prof, 2.0)
+    n = len(prof["units"])
+    big = 2**50
+    fast_retain, slow_retain = (tp.evaluate(p, ["retain"] * n, big) for p in (prof, slow))
+    assert slow_retain["step_time"] == pytest.approx(2 * fast_retain["step_time"], rel=1e-12)
+    fast_swap, slow_swap = (tp.evaluate(p, ["swap"] * n, big) for p in (prof, slow))
+    assert slow_swap["copies"]
+    for c in slow_swap["copies"]:
+        bandwidth = prof["d2h_bandwidth"] if c["direction"] == "d2h" else prof["h2d_bandwidth"]
+        assert c["end"] - c["start"] == pytest.approx(c["bytes"] / bandwidth, rel=1e-9)
+    assert slow_swap["compute_time"] == pytest.approx(2 * fast_swap["compute_time"], rel=1e-12)
+    assert prof["units"][0]["fwd_time"] == slow["units"][0]["fwd_time"] / 2  # a copy, the profile as it was
 
 
 def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_path: Path) -> None:
