@@ -13,10 +13,10 @@ of three more steps; a swap-out the model cancels or uses from the device is not
 The machine's speed moves by 10-20% from minute to minute here, which no profile taken minutes
 before can predict, so each planned step is timed right after a plain step of a copy of the model
 (interleaved, ``--repeats`` pairs): "speed" is the plain steps' median over the profile's
-all-retain prediction, and "at that speed" is the plan's prediction from the same profile with its
-compute times (forward, backward, and the executor's per-stage, per-segment and per-tensor host
-costs) scaled by it; the link's bandwidth is the cap's, which does not move. The measured step
-over that prediction is the copy model's error.
+all-retain prediction, and "at that speed" is the plan's predicted step with its compute,
+recompute and host time scaled by it and its swap stall as predicted (``at_speed``); the link's
+bandwidth is the cap's, which does not move. The measured step over that prediction is the copy
+model's error, apart from the machine's speed.
 
 Run: ``python benches/link_capped.py --model gpt6 --batch 8 --seq 256`` or
 ``--model resnet18 --batch 32 --image 128``; ``--json F`` writes the rows. Exits 1 if a plan was
@@ -40,29 +40,14 @@ from cuda_exec.cpu_backend import CpuBackend
 from tensorplace.bench.common import build_model
 from tensorplace.profiler import unplanned_step_stats
 
-#: the executor's host costs that are seconds of host work (docs/cost-model.md, "Host time")
-_HOST_SECONDS = ("segment", "drop", "tracked_op", "stage")
-
-
-def at_speed(profile: Dict[str, Any], speed: float) -> Dict[str, Any]:
-    """``profile`` on a machine ``speed`` times slower: compute and host times scaled, bytes and
-    bandwidths as they are."""
-    p = copy.deepcopy(profile)
-    for u in p["units"]:
-        for key in ("fwd_time", "bwd_time", "fwd_host_time", "bwd_host_time", "optimizer_time"):
-            if u.get(key) is not None:
-                u[key] *= speed
-    costs = p.get("executor")
-    if costs:
-        for key in _HOST_SECONDS:
-            if key in costs:
-                costs[key] *= speed
-    opt = p.get("optimizer")
-    if opt:
-        for key in ("step_time", "other_time"):
-            if opt.get(key) is not None:
-                opt[key] *= speed
-    return p
+def at_speed(predicted: Dict[str, Any], speed: float) -> float:
+    """The step of a plan ``predicted`` as the cost model predicted it, on a machine ``speed``
+    times slower: its compute, recompute and host time scaled, its swap stall as predicted (the
+    link is the cap's, which does not move; a slower compute hides no less of the copies, so
+    this does not under-predict the stall). Not the plan evaluated on a slower profile: that
+    would move which swap-outs the model cancels, which the executor takes from the plan."""
+    busy = predicted["compute_time"] + predicted["recompute"] + predicted.get("host_time", 0.0)
+    return predicted["step_time"] + (speed - 1.0) * busy
 
 
 def step_seconds(model: torch.nn.Module, inputs: Any, loss_fn: Any) -> float:
@@ -137,8 +122,7 @@ def main() -> int:
             measured = statistics.median(steps)
             d = plan.to_dict()
             modelled = tp.evaluate(profile, d["actions"], d["budget_bytes"], segment_starts=d["segment_starts"])
-            now = tp.evaluate(at_speed(profile, speed), d["actions"], d["budget_bytes"],
-                              segment_starts=d["segment_starts"])["step_time"]
+            now = at_speed(plan.predicted, speed)
             model_back = sum(c["bytes"] for c in modelled["copies"] if c["direction"] == "h2d")
             c = plan.counts()
             row = {"plan": label, "swap": c["swap"], "recompute": c["recompute"],
