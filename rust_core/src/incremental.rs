@@ -71,6 +71,8 @@ pub struct Worker {
     /// `k * stride`, for k up to `prefix_valid`.
     prefix: Vec<SimState>,
     prefix_valid: usize,
+    /// The last slot the last evaluation saved (None: none).
+    saved: Option<usize>,
 }
 
 impl Worker {
@@ -217,10 +219,9 @@ impl<'a> Context<'a> {
         let mut prefix = std::mem::take(&mut w.prefix);
         let (head, tail) = prefix.split_at_mut(from + 1);
         let resume = if from == 0 { None } else { Some(&head[from]) };
-        let mut saved = None;
-        let s = self.run_saving(plan, resume, from + 1, &mut tail[..last - from], bound, w, &mut saved);
+        let s = self.run(plan, resume, from + 1, &mut tail[..last - from], bound, w);
         w.prefix = prefix;
-        if let Some(k) = saved {
+        if let Some(k) = w.saved {
             w.prefix_valid = w.prefix_valid.max(k);
         }
         s
@@ -234,21 +235,6 @@ impl<'a> Context<'a> {
         save: &mut [SimState],
         bound: Option<Score>,
         w: &mut Worker,
-    ) -> Option<Score> {
-        self.run_saving(plan, resume, first_slot, save, bound, w, &mut None)
-    }
-
-    /// As `run`, and `saved` is the last slot it saved (None: none).
-    #[allow(clippy::too_many_arguments)]
-    fn run_saving(
-        &self,
-        plan: &[Action],
-        resume: Option<&SimState>,
-        first_slot: usize,
-        save: &mut [SimState],
-        bound: Option<Score>,
-        w: &mut Worker,
-        saved: &mut Option<usize>,
     ) -> Option<Score> {
         let mut hooks = Hooks {
             resume,
@@ -265,7 +251,7 @@ impl<'a> Context<'a> {
         };
         let s = score_hooked(self.g, plan, self.starts, self.budget, self.opts, &mut w.scratch, &mut hooks);
         w.stages += hooks.stages;
-        *saved = hooks.saved;
+        w.saved = hooks.saved;
         s
     }
 }
