@@ -40,6 +40,7 @@ from cuda_exec.cpu_backend import CpuBackend
 from tensorplace.bench.common import build_model
 from tensorplace.profiler import unplanned_step_stats
 
+
 def at_speed(predicted: Dict[str, Any], speed: float) -> float:
     """The step of a plan ``predicted`` as the cost model predicted it, on a machine ``speed``
     times slower: its compute, recompute and host time scaled, its swap stall as predicted (the

@@ -33,8 +33,8 @@ def _job_profile(job: JobLike, index: int) -> Dict[str, Any]:
     return json.loads(profile_json(job))
 
 
-#: methods whose plan is made without a search: their refusals name the budget they meet
-# the core's methods that plan without a search, and moDNN (planned here, in Python)
+#: methods whose plan is made without a search (the core's, and moDNN): their refusals name the
+#: budget they meet
 _NON_SEARCHING = (*_core.NON_SEARCHING_METHODS, "modnn")
 
 
