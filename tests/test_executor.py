@@ -224,6 +224,66 @@ def test_steady_steps_of_retain_and_swap_plans_are_bitwise_equal(name: str) -> N
     assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
 
 
+def _general_path_backend() -> CpuBackend:
+    """A CPU backend whose steady steps swap through the general path (it has no copy_out)."""
+    be = CpuBackend()
+    be.copy_out = None  # type: ignore[assignment,method-assign]
+    return be
+
+
+@pytest.mark.parametrize("name", ["resnet18", "gpt", "tricky"])
+def test_the_lean_swap_path_trains_exactly_and_holds_what_the_general_path_holds(name: str) -> None:
+    """Steady steps swap the small storages of a unit that nothing else looks up through the
+    backend's copy_out/copy_back, a stage's at once (inline_swap.py): bitwise equal training,
+    every host buffer given back, the same storages swapped and prefetched and the same measured
+    peak as the general path (a backend without copy_out)."""
+    planned = assert_same_training(name, PLANS["swap"])
+    lean = planned.last_stats
+    assert lean.lean_swaps > 0 and lean.unscheduled_fetches == 0
+    general = assert_same_training(name, PLANS["swap"], backend=_general_path_backend())
+    assert general.last_stats.lean_swaps == 0
+    assert (lean.swap_storages, lean.swap_bytes, lean.prefetches, lean.prefetch_stages) == (
+        general.last_stats.swap_storages, general.last_stats.swap_bytes, general.last_stats.prefetches,
+        general.last_stats.prefetch_stages)
+    model, x, y = make(name)
+    peaks = []
+    for m in (planned, general):
+        m.model.load_state_dict(model.state_dict())
+        for _ in range(2):  # the gradients exist, the step is steady
+            loss_fn(m(x), y).backward()
+        peaks.append(_step_peak(m, x, y))
+        m.close()
+    assert peaks[0] == peaks[1], peaks
+
+
+def test_a_lean_swap_without_a_scheduled_prefetch_is_fetched_when_needed() -> None:
+    planned = assert_same_training("gpt", PLANS["swap"], prefetch_ahead=None)
+    stats = planned.last_stats
+    assert stats.lean_swaps > 0 and stats.prefetches == 0 and stats.unscheduled_fetches >= stats.lean_swaps
+
+
+@pytest.mark.parametrize("method", ["copy_out", "copy_back"])
+def test_out_of_memory_in_a_lean_copy_aborts_the_step_and_the_next_one_is_exact(method: str) -> None:
+    """The lean path's copies fail in a steady step (forward: copy_out; backward: copy_back):
+    the step aborts, every host buffer and hook is released, the next steps train exactly."""
+    model, x, y = make("gpt")
+    ref = copy.deepcopy(model)
+    n = len(records(model, x))
+    backend = FailingBackend(method, fail_at=10**9)
+    planned = PlannedModule(model, ["swap"] * n, backend=backend)
+    for _ in range(2):  # the learning step, then a steady one
+        got = _grads_after_step(planned, model, x, y)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads_after_step(ref, ref, x, y)))
+    assert planned.last_stats.lean_swaps > 0 and backend.calls > 0
+    backend.fail_at = backend.calls + 2
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        model.zero_grad(set_to_none=True)
+        loss_fn(planned(x), y).backward()
+    assert planned.last_stats.aborted
+    _assert_released_then_exact(planned, backend, model, ref, x, y)
+    backend.close()
+
+
 def _executor_hooks(model: nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
@@ -590,9 +650,9 @@ def test_chained_units_prefetch_from_the_next_units_hook() -> None:
 def test_a_steady_swap_step_keeps_few_python_objects_until_its_backward() -> None:
     """What a steady step keeps alive from its forward to its backward is what CPython's cyclic
     collector promotes and, every few hundred steps, walks with every object of the process
-    (docs/benchmarks.md, session 33): per swapped storage an entry, a handle and the backend's
-    host handle, per hooked stage one hook object; no closure per unit, no view metadata after
-    the first steady step."""
+    (docs/benchmarks.md, session 33): per swapped storage a handle (the lean path: no entry and
+    no backend handle), per swapped unit its group, per hooked stage one hook object; no closure
+    per unit, no view metadata after the first steady step."""
     import gc
 
     torch.manual_seed(0)
@@ -620,11 +680,13 @@ def test_a_steady_swap_step_keeps_few_python_objects_until_its_backward() -> Non
     assert kept["function"] + kept["cell"] <= 12, kept  # the forward's end, not one per unit
     assert kept["ViewMeta"] == 0 and kept["tuple"] <= 12, kept
     assert kept["_StageHook"] <= len(recs), kept
-    # per storage its entry, handle and host handle; per unit its entry list, stage hook and the
-    # node's hook dict (no copy group: these copies run inside offload()); a few per step
-    assert kept["CopyGroup"] == 0, kept
+    # per storage its handle; per unit its group and the group's two lists, its stage hook and
+    # the node's hook dict (no copy group, no entry, no host handle: these storages take the
+    # lean path); a few per step
+    assert kept["CopyGroup"] == 0 and kept["_Entry"] == 0 and kept["CpuHostHandle"] == 0, kept
+    assert kept["InlineHandle"] == storages, kept
     executor_owned = sum(kept.values()) - kept["Tensor"] - sum(v for k, v in kept.items() if k.endswith("Backward0"))
-    assert executor_owned <= 3 * storages + 3 * len(recs) + 40, kept
+    assert executor_owned <= storages + 5 * len(recs) + 40, kept
     planned.close()
 
 
@@ -771,6 +833,7 @@ def test_no_step_leaves_device_memory_behind(plan: List[str]) -> None:
         del planned
         gc.collect()
 
+    gc.collect()  # earlier tests' cyclic garbage is not this test's: its frees would count here
     _, trace = measure_peak(life)
     assert trace.final_bytes == 0, trace
 
@@ -1273,6 +1336,33 @@ def test_cpu_backend_roundtrip_pool_and_close(inline: bool) -> None:
     assert be.stats().buffers_pooled == 0
     with pytest.raises(RuntimeError):
         be.offload(src)
+
+
+@pytest.mark.parametrize("host", ["numpy", "mmap"])
+def test_cpu_backend_copies_a_stages_storages_out_and_back_at_once(host: str) -> None:
+    """copy_out/copy_back/give_back (the lean swap path's): the bytes round-trip, a None slot is
+    skipped, buffers are pooled and counted in use until given back, and a closed backend takes
+    them back without error."""
+    be = CpuBackend(host=host)
+    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (1000, 24, 1000)]
+    bufs = be.copy_out([srcs[0].untyped_storage(), None, srcs[1].untyped_storage(), srcs[2].untyped_storage()])
+    assert bufs[1] is None and be.stats().buffers_in_use == 3 and be.stats().bytes_in_use == 2024
+    for src in srcs:
+        src.fill_(0)  # the device bytes are free to go once copied out
+    back = be.copy_back([bufs[0], bufs[2]])
+    assert [bytes(st) for st in back] == [bytes(bufs[0].numpy()), bytes(bufs[2].numpy())]
+    assert all(st.device.type == "cpu" and st.data_ptr() != b.data_ptr() for st, b in zip(back, (bufs[0], bufs[2])))
+    be.give_back([b for b in bufs if b is not None])
+    st = be.stats()
+    assert st.buffers_in_use == 0 and st.bytes_in_use == 0 and st.buffers_pooled == 3
+    assert st.offloads == 3 and st.prefetches == 2
+    again = be.copy_out([srcs[0].untyped_storage()])
+    assert again[0] is bufs[0] or again[0] is bufs[3]  # a pooled buffer of that size, reused
+    be.close()
+    be.give_back(again)
+    assert be.stats().buffers_in_use == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        be.copy_out([srcs[0].untyped_storage()])
 
 
 def test_cpu_backend_mmap_host() -> None:

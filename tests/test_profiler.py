@@ -563,15 +563,17 @@ def test_the_host_cost_fit_can_be_left_out(monkeypatch):
 
 def test_host_costs_are_fitted_to_the_model_only_upwards():
     """The executor's calibrated host costs come from synthetic blocks; the profile raises them
-    (never lowers them) until the cost model predicts a plan's measured step on this model, the
-    step over the plain step timed between its steps, times the profile's plain step."""
+    (never lowers the drop and stage costs) until the cost model predicts a plan's measured step
+    on this model, the step over the plain step timed between its steps, times the profile's
+    plain step (the swap costs also move down: the next test)."""
     from tensorplace.profiler import _fit_cost
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
     costs = p["executor"]
-    assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) for k in ("drop", "swap", "swap_async", "stage"))
+    assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) for k in ("drop", "stage"))
+    assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) / 8 * (1 - 1e-9) for k in ("swap", "swap_async"))
     actions = ["recompute"] * 5
     step = lambda q: tp.evaluate(q, actions, 2**62)["step_time"]  # noqa: E731
     before = step(p)
@@ -585,6 +587,36 @@ def test_host_costs_are_fitted_to_the_model_only_upwards():
     r = copy.deepcopy(p)
     _fit_cost(r, actions, None, [1.0] * 3, [0.5 * slower / 1.5] * 3, ("drop",))
     assert r["executor"] == p["executor"]
+
+
+def test_swap_costs_are_fitted_to_the_model_both_ways():
+    """The swap costs (``lower``) also follow an all-swap step measured faster than predicted
+    down (the synthetic blocks' per-unit work spreads over fewer storages per unit than a
+    model's), to an eighth of the calibrated figures at most."""
+    from tensorplace.profiler import _fit_cost
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=1, fit_host_costs=False)
+    actions = ["swap"] * 4
+    keys = ("swap", "swap_async")
+    step = lambda q: tp.evaluate(q, actions, 2**62)["step_time"]  # noqa: E731
+    measured = p["measured"]["step_time"]
+    floor = copy.deepcopy(p)
+    floor["executor"] = dict(p["executor"], **{k: p["executor"][k] / 8 for k in keys})
+    before, lowest = step(p), step(floor)
+    assert lowest < before
+    q = copy.deepcopy(p)
+    _fit_cost(q, actions, None, [1.0] * 3, [(before + lowest) / 2 / measured] * 3, keys, lower=True)
+    assert step(q) == pytest.approx((before + lowest) / 2, rel=1e-6)
+    assert all(q["executor"][k] < p["executor"][k] == q["executor"][f"{k}_calibrated"] for k in keys)
+    r = copy.deepcopy(p)
+    _fit_cost(r, actions, None, [1.0] * 3, [lowest / 2 / measured] * 3, keys, lower=True)
+    assert all(r["executor"][k] == pytest.approx(p["executor"][k] / 8) for k in keys)
+    # without ``lower`` (the drop cost's fit) nothing moves down
+    s = copy.deepcopy(p)
+    _fit_cost(s, actions, None, [1.0] * 3, [lowest / measured] * 3, keys)
+    assert s["executor"] == p["executor"]
 
 
 def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):

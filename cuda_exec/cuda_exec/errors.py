@@ -42,6 +42,8 @@ class StepStats:
     unstarted_swaps: int = 0
     #: swapped storages copied out but used in place (their swap-out is cancelled while it runs)
     in_flight_swaps: int = 0
+    #: swapped storages of a steady step that took the lean path (inline_swap.py)
+    lean_swaps: int = 0
     dropped_tensors: int = 0  #: saved tensors dropped for recomputation
     replays: int = 0  #: units replayed
     segment_replays: int = 0  #: replays (a checkpoint segment is replayed as one)

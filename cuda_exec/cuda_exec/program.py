@@ -142,6 +142,9 @@ class Program:
     #: first units of the checkpoint segments whose forward drew random numbers in the learning
     #: step (their replays restore the generators)
     draws: FrozenSet[int] = frozenset()
+    #: per pack: its swap takes the lean path (inline_swap.py) when its storage is small enough;
+    #: None until a steady step decides it (steady._inline_packs)
+    inline: Optional[List[bool]] = None
 
     @property
     def swaps(self) -> int:

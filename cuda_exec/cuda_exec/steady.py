@@ -12,6 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import _get_current_function_mode
 
 from .errors import PlanMismatchError
+from .inline_swap import InlineGroup, InlineHandle
 from .learn import _act_code, _PlanTracker, _Table
 from .program import A_HOLD, A_HOLD_VALUE, A_RETAIN, A_SWAP, A_TRACKED_VALUE, Program
 from .segment_frame import Holder, SegmentFrame, unpack
@@ -37,6 +38,20 @@ def _steady_entry(st: _StepState, tb: _Table, k: int, t: torch.Tensor, indexed: 
             "as it was in the executor's first step (data-dependent control flow?)"
         )
     return entry
+
+
+def _inline_packs(p: Program, st: _StepState) -> List[bool]:
+    """Per pack of ``p``: its swap may take the lean path (inline_swap.py): a swap that makes its
+    storage's entry, which nothing looks up (no later pack saves the storage version again, no
+    segment takes it as an argument, no tracker), of a unit whose swap-out the plan does not
+    cancel, with a backend that copies small storages on the host's thread (verify mode: none)."""
+    if (p.any_tracked or st.verify or getattr(st.backend, "copy_out", None) is None
+            or getattr(st.backend, "inline_bytes", 0) <= 0):
+        return [False] * len(p.acts)
+    tb = p.table
+    cancelled = st.unstarted | st.in_flight
+    return [a == A_SWAP and tb.first[k] == k and k not in p.shared and k not in p.entry_args
+            and tb.owner[k] not in cancelled for k, a in enumerate(p.acts)]
 
 
 class _ScopedTracker(_PlanTracker):
@@ -209,7 +224,7 @@ class _SteadyStep:
     run the tracker (:class:`_ScopedTracker`)."""
 
     __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "hooked", "tracker", "scoped", "frames",
-                 "acts", "hold", "verify", "metas")
+                 "acts", "hold", "verify", "metas", "inline", "inline_bytes", "owner")
 
     def __init__(self, ex: "Executor", state: _StepState, program: Program) -> None:
         self.ex = ex
@@ -230,6 +245,12 @@ class _SteadyStep:
         self.hold = program.hold
         self.metas = program.metas
         self.verify = state.verify
+        inline = program.inline
+        if inline is None:
+            inline = program.inline = _inline_packs(program, state)
+        self.inline = inline
+        self.inline_bytes: int = state.inline_bytes
+        self.owner = program.table.owner
 
     # the forward pre-hook of every hooked module (installed once, see Executor._install)
     def call_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -305,7 +326,7 @@ class _SteadyStep:
 
     def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         st = self.state
-        if st.by_unit or st.swapper is not None:
+        if st.by_unit or st.inline_groups or st.swapper is not None:
             st.stage_boundary(f"fwd:{u}")
         if u in self.p.post_units:
             self.post = (u, module)
@@ -408,6 +429,10 @@ class _SteadyStep:
                 self._verify(h, t, self.p.segments[s].first)
             return h
         if a == A_SWAP:
+            if self.inline[k] and t.is_cpu:  # (the general path refuses a tensor of another device)
+                storage = t.untyped_storage()
+                if storage.nbytes() <= self.inline_bytes:
+                    return self._swap_inline(k, t, storage)
             return self._swap(k, t)
         if a == A_HOLD_VALUE:
             s, i, pos = self.hold[k]  # type: ignore[misc]
@@ -446,6 +471,27 @@ class _SteadyStep:
             return _SwapHandle(st, entry, meta, entry.device, checksum(t),
                                f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})")
         return _SwapHandle(st, entry, meta, entry.device, None, "")
+
+    def _swap_inline(self, k: int, t: torch.Tensor, storage: torch.UntypedStorage) -> InlineHandle:
+        st = self.state
+        owner = self.owner[k]
+        group = st.inline_groups.get(owner)
+        if group is None:
+            group = st.inline_groups[owner] = InlineGroup(owner)
+        device = group.device
+        if group.copied == len(device):  # its first storage since the last stage boundary
+            st.inline_open.append(group)
+        device.append(storage)
+        group.host.append(None)
+        group.live += 1
+        meta = self.metas[k]
+        if meta is None or not meta.describes(t):
+            meta = self.metas[k] = ViewMeta.of(t)
+        stats = st.stats
+        stats.swap_storages += 1
+        stats.lean_swaps += 1
+        stats.swap_bytes += storage.nbytes()
+        return InlineHandle(st, group, len(device) - 1, meta, t.device)
 
     def finish(self, out: Any) -> None:
         p = self.p

@@ -14,6 +14,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import ReplayError, StepAbortedError, StepStats
+from .inline_swap import InlineGroup, copy_back_units, copy_out_saved
 from .state_swap import StateSwapper
 from .units import ValueRec, ViewMeta, empty_tensor
 from .verify import check, note_out_of_memory
@@ -364,6 +365,10 @@ class _StepState:
         self._warned = False
         self.kept: Set[str] = set()  #: stage labels whose swap deadlines were kept
         self.unqueued: List["_Entry"] = []  #: swapped storages whose copy waits for a stage boundary
+        #: steady steps' lean swaps (inline_swap.py): per unit its group, and the groups with
+        #: storages whose copy out waits for the next stage boundary
+        self.inline_groups: Dict[int, InlineGroup] = {}
+        self.inline_open: List[InlineGroup] = []
         self.finished = False  #: a backward of this step ran to its end
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
@@ -430,6 +435,10 @@ class _StepState:
         self.entries.clear()
         self.swapped.clear()
         self.by_unit.clear()
+        for g in list(self.inline_groups.values()):
+            g.free(self)
+        self.inline_groups.clear()
+        self.inline_open = []
         from .recorded_replay import _InputSlot
 
         for rt in self.runtimes.values():
@@ -485,8 +494,10 @@ class _StepState:
                 todo = [e for e in entries if e.host is _QUEUED_LATER and e.source is not None]
                 for e, host in zip(todo, many([e.source for e in todo])):
                     e.queued_as(host)
+        if self.inline_open:  # copies that complete here: no deadline waits for them
+            copy_out_saved(self)
         poll = self._poll
-        if poll is not None:
+        if poll is not None and (self.by_unit or self.swapper is not None):  # copies that may be in flight
             poll()
         if label in self.swap_deadlines:
             self._keep_deadlines(label)
@@ -531,7 +542,8 @@ class _StepState:
         return _StageHook(self, stage)
 
     def issue_prefetches(self, stage: int) -> None:
-        self.enter_backward()
+        if not self.backward_running:
+            self.enter_backward()
         if stage in self.fired or self.dead:
             return
         self.fired.add(stage)
@@ -539,6 +551,8 @@ class _StepState:
         units = self.prefetch_at.get(stage, ())
         if units:
             self.stats.prefetch_stages.append(stage)
+            if self.inline_groups:
+                copy_back_units(self, units)
             by_unit = self.by_unit
             many = self._prefetch_many
             if many is None:

@@ -44,7 +44,8 @@ What one profile call runs, all on the user's model and inputs, in training mode
 6. **Host costs fitted to the model** (on a CPU through the CPU backend): the all-recompute plan's,
    the first-unit-swapped plan's and the all-swap plan's steady steps, each timed between plain
    steps, raise the executor's calibrated `drop`, `stage` and `swap`/`swap_async` costs where the
-   cost model predicts the plan shorter than measured (`executor`, docs/formats.md).
+   cost model predicts the plan shorter than measured, and lower `swap`/`swap_async` where it
+   predicts the all-swap plan longer (`executor`, docs/formats.md).
 
 Every step checks that the model ran the same sequence of units as the structure step: a model
 whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
@@ -1636,16 +1637,19 @@ def _interleaved_steps(model: nn.Module, planned: Dict[str, nn.Module], args: Tu
 
 
 def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[Sequence[int]],
-              plain_s: Sequence[float], planned_s: Sequence[float], keys: Sequence[str]) -> None:
+              plain_s: Sequence[float], planned_s: Sequence[float], keys: Sequence[str], lower: bool = False) -> None:
     """The executor's host costs ``keys`` (``drop``; ``stage``; ``swap`` and ``swap_async``) fitted
     to this model: the calibration (cuda_exec/calibrate.py) times them on small synthetic blocks, and a
     model whose saved tensors cost more to drop, capture and unpack, or to swap (views of
     attention heads, say), or whose replays take longer than its profiled forwards, is predicted
     short. The plan's measured step (``planned_s``' median, over the median of the plain steps
     timed between them, times the profile's plain step) is the target; where the model predicts
-    the plan shorter, the costs are raised by one factor until it does not (never lowered: a step
-    that waits on the device hides host work), and the calibrated figures are kept as
-    ``<key>_calibrated``."""
+    the plan shorter, the costs are raised by one factor until it does not, and the calibrated
+    figures are kept as ``<key>_calibrated``. Where it predicts the plan longer they are lowered
+    (down to an eighth) only with ``lower``: the swap costs (the executor's work per swapped unit
+    is charged per storage, and the synthetic blocks swap fewer storages per unit than most
+    models, so their figure over-predicts a model's all-swap step); ``drop`` and ``stage`` are
+    never lowered."""
     from .planning import evaluate
 
     costs = profile.get("executor")
@@ -1662,6 +1666,18 @@ def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[
         return float(evaluate(trial, list(actions), 2**62, segment_starts=starts)["step_time"])
 
     if predicted(1.0) >= target:
+        if not lower or predicted(1.0) == target:
+            return
+        lo, hi = 1.0 / 8, 1.0
+        if predicted(lo) > target:
+            hi = lo  # the most it is lowered
+        else:
+            for _ in range(30):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+        for k, v in base.items():
+            costs[f"{k}_calibrated"] = float(costs.get(k) or 0.0)
+            costs[k] = v * hi
         return
     lo, hi = 1.0, 2.0
     while predicted(hi) < target:
@@ -1716,7 +1732,7 @@ def _fit_swap_cost(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any, .
                       "swap costs", RuntimeWarning, stacklevel=3)
         return
     for k, keys in (("first", ("stage",)), ("all", ("swap", "swap_async"))):
-        _fit_cost(profile, plans[k].actions, None, times["plain"], times[k], keys)
+        _fit_cost(profile, plans[k].actions, None, times["plain"], times[k], keys, lower=k == "all")
 
 
 def unplanned_step_stats(

@@ -1,0 +1,152 @@
+"""The lean swap path of a steady step: a swapped unit's small storages, copied out and back by
+the backend on the host's thread, a stage's at once.
+
+The general path (step_state._Entry) makes, per swapped storage, an entry, a backend handle and
+a call to the backend at each of its four moves (out, deadline, back, release). Storages of at
+most the backend's ``inline_bytes``, whose copies complete inside the call (the CPU backend's
+``copy_out``/``copy_back``/``give_back``), need none of that: an :class:`InlineGroup` keeps a
+swapped unit's storages by slot; a stage boundary copies out every storage saved since the last
+one in one call (:func:`copy_out_saved`), a prefetch stage copies its units' storages back in
+one call (:func:`copy_back_units`), and a unit's host buffers go back when the last of its saved
+tensors is freed. Device memory moves as on the general path: a storage's bytes leave at the
+stage boundary after it was saved, come back at its unit's prefetch stage, and each storage's
+copy is freed when autograd lets go of its saved tensor.
+
+Packs that something else may look up (a storage version saved again later, a checkpoint
+segment's argument, a tracked segment's value), units whose swap-out the plan cancels, and
+verify mode take the general path (steady.py decides, per pack).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional
+
+import torch
+
+from .units import ViewMeta
+
+if TYPE_CHECKING:
+    from .step_state import _StepState
+
+
+#: a slot whose saved tensor autograd let go of
+FREED: Any = object()
+
+
+class InlineGroup:
+    """A swapped unit's storages of one step, by slot (in pack order)."""
+
+    __slots__ = ("unit", "device", "host", "copied", "live")
+
+    def __init__(self, unit: int) -> None:
+        self.unit = unit
+        #: per slot, its device bytes: until the stage boundary copies them out, and again once
+        #: copied back (None between; FREED once autograd let go of its saved tensor)
+        self.device: List[Any] = []
+        #: per slot, its host buffer once copied out (given back with the group's last slot)
+        self.host: List[Optional[torch.Tensor]] = []
+        self.copied = 0  #: slots before this one were handed to a copy out
+        self.live = 0  #: slots whose saved tensor autograd still holds
+
+    def storage(self, slot: int, state: "_StepState") -> torch.UntypedStorage:
+        """Slot ``slot``'s device bytes, copied back now if the plan did not prefetch them."""
+        st = self.device[slot]
+        if st is not None and st is not FREED:
+            return st
+        buf = self.host[slot] if st is None else None
+        if buf is None:
+            state.check_alive()
+            raise RuntimeError(f"a swapped tensor of unit {self.unit} was needed after it was freed")
+        state.stats.unscheduled_fetches += 1
+        st = self.device[slot] = state.backend.copy_back([buf])[0]
+        return st
+
+    def drop(self, slot: int, state: "_StepState") -> None:
+        """Autograd let go of slot ``slot``'s saved tensor: its device bytes go now, the host
+        buffers with the group's last slot."""
+        self.device[slot] = FREED
+        self.live -= 1
+        if self.live <= 0:
+            self.free(state)
+
+    def free(self, state: "_StepState") -> None:
+        self.device = []
+        host, self.host = self.host, []
+        bufs = [b for b in host if b is not None]
+        if bufs:
+            state.backend.give_back(bufs)
+        if state.inline_groups.get(self.unit) is self:
+            del state.inline_groups[self.unit]
+
+
+def copy_out_saved(state: "_StepState") -> None:
+    """At a stage boundary: copy out every storage saved since the last one (one backend call)."""
+    groups, state.inline_open = state.inline_open, []
+    storages: List[Optional[torch.UntypedStorage]] = []
+    for g in groups:
+        storages += [None if st is FREED else st for st in g.device[g.copied:]]
+    bufs = state.backend.copy_out(storages)
+    i = 0
+    for g in groups:
+        device, host = g.device, g.host
+        for s in range(g.copied, len(device)):
+            host[s] = bufs[i]
+            if device[s] is not FREED:
+                device[s] = None  # the model lets go of the bytes when it does
+            i += 1
+        g.copied = len(device)
+
+
+def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
+    """At a prefetch stage: copy back the storages of ``units`` still needed (one backend call);
+    those not copied out yet are still on the device."""
+    todo = []
+    bufs: List[torch.Tensor] = []
+    groups = state.inline_groups
+    for u in units:
+        g = groups.get(u)
+        if g is None:
+            continue
+        device, host = g.device, g.host
+        for s in range(g.copied):
+            if device[s] is None:  # copied out, not freed
+                todo.append((device, s))
+                bufs.append(host[s])  # type: ignore[arg-type]
+    if not bufs:
+        return
+    back = state.backend.copy_back(bufs)
+    for (device, s), st in zip(todo, back):
+        device[s] = st
+    state.stats.prefetches += len(back)
+
+
+class InlineHandle:
+    """What autograd keeps for a saved tensor of an :class:`InlineGroup`."""
+
+    __slots__ = ("state", "group", "slot", "meta", "device")
+
+    def __init__(self, state: "_StepState", group: InlineGroup, slot: int, meta: ViewMeta,
+                 device: torch.device) -> None:
+        self.state = state
+        self.group = group
+        self.slot = slot
+        self.meta = meta
+        self.device = device
+
+    def unpack(self) -> torch.Tensor:
+        state = self.state
+        if state.dead:
+            state.check_alive()
+        g = self.group
+        st = g.device[self.slot]
+        if st is None or st is FREED:
+            st = g.storage(self.slot, state)
+        return self.meta.view_of(st, self.device)
+
+    def __del__(self) -> None:
+        try:
+            state = self.state
+            if not state.dead:
+                self.group.drop(self.slot, state)
+        except Exception:  # pragma: no cover - never raise from __del__
+            pass
