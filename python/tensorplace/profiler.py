@@ -1665,28 +1665,23 @@ def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[
         trial = dict(profile, executor=dict(costs, **{k: v * f for k, v in base.items()}))
         return float(evaluate(trial, list(actions), 2**62, segment_starts=starts)["step_time"])
 
-    if predicted(1.0) >= target:
-        if not lower or predicted(1.0) == target:
-            return
-        lo, hi = 1.0 / 8, 1.0
-        if predicted(lo) > target:
-            hi = lo  # the most it is lowered
-        else:
-            for _ in range(30):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
-        for k, v in base.items():
-            costs[f"{k}_calibrated"] = float(costs.get(k) or 0.0)
-            costs[k] = v * hi
+    now = predicted(1.0)
+    if now == target or (now > target and not lower):
         return
-    lo, hi = 1.0, 2.0
-    while predicted(hi) < target:
-        if hi >= 1024:  # not the executor's work
-            return
-        hi *= 2
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+    if now < target:  # raised until the model predicts the measured step
+        lo, hi = 1.0, 2.0
+        while predicted(hi) < target:
+            if hi >= 1024:  # not the executor's work
+                return
+            hi *= 2
+    else:  # lowered, to an eighth at most
+        lo, hi = 1.0 / 8, 1.0
+    if predicted(lo) >= target:
+        hi = lo
+    else:
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
     for k, v in base.items():
         costs[f"{k}_calibrated"] = float(costs.get(k) or 0.0)
         costs[k] = v * hi
