@@ -79,6 +79,26 @@ class InlineGroup:
             del state.inline_groups[self.unit]
 
 
+def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, meta: ViewMeta,
+               device: torch.device) -> "InlineHandle":
+    """A saved tensor of unit ``owner`` over ``storage`` (``meta``: its view) swapped: a new slot
+    of the unit's group, copied out at the next stage boundary; what autograd keeps for it."""
+    group = state.inline_groups.get(owner)
+    if group is None:
+        group = state.inline_groups[owner] = InlineGroup(owner)
+    slots = group.device
+    if group.copied == len(slots):  # its first storage since the last stage boundary
+        state.inline_open.append(group)
+    slots.append(storage)
+    group.host.append(None)
+    group.live += 1
+    stats = state.stats
+    stats.swap_storages += 1
+    stats.lean_swaps += 1
+    stats.swap_bytes += storage.nbytes()
+    return InlineHandle(state, group, len(slots) - 1, meta, device)
+
+
 def copy_out_saved(state: "_StepState") -> None:
     """At a stage boundary: copy out every storage saved since the last one (one backend call)."""
     groups, state.inline_open = state.inline_open, []

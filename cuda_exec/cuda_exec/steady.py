@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import _get_current_function_mode
 
 from .errors import PlanMismatchError
-from .inline_swap import InlineGroup, InlineHandle
+from .inline_swap import swap_saved
 from .learn import _act_code, _PlanTracker, _Table
 from .program import A_HOLD, A_HOLD_VALUE, A_RETAIN, A_SWAP, A_TRACKED_VALUE, Program
 from .segment_frame import Holder, SegmentFrame, unpack
@@ -432,7 +432,10 @@ class _SteadyStep:
             if self.inline[k] and t.is_cpu:  # (the general path refuses a tensor of another device)
                 storage = t.untyped_storage()
                 if storage.nbytes() <= self.inline_bytes:
-                    return self._swap_inline(k, t, storage)
+                    meta = self.metas[k]
+                    if meta is None or not meta.describes(t):
+                        meta = self.metas[k] = ViewMeta.of(t)
+                    return swap_saved(self.state, self.owner[k], storage, meta, t.device)
             return self._swap(k, t)
         if a == A_HOLD_VALUE:
             s, i, pos = self.hold[k]  # type: ignore[misc]
@@ -471,27 +474,6 @@ class _SteadyStep:
             return _SwapHandle(st, entry, meta, entry.device, checksum(t),
                                f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})")
         return _SwapHandle(st, entry, meta, entry.device, None, "")
-
-    def _swap_inline(self, k: int, t: torch.Tensor, storage: torch.UntypedStorage) -> InlineHandle:
-        st = self.state
-        owner = self.owner[k]
-        group = st.inline_groups.get(owner)
-        if group is None:
-            group = st.inline_groups[owner] = InlineGroup(owner)
-        device = group.device
-        if group.copied == len(device):  # its first storage since the last stage boundary
-            st.inline_open.append(group)
-        device.append(storage)
-        group.host.append(None)
-        group.live += 1
-        meta = self.metas[k]
-        if meta is None or not meta.describes(t):
-            meta = self.metas[k] = ViewMeta.of(t)
-        stats = st.stats
-        stats.swap_storages += 1
-        stats.lean_swaps += 1
-        stats.swap_bytes += storage.nbytes()
-        return InlineHandle(st, group, len(device) - 1, meta, t.device)
 
     def finish(self, out: Any) -> None:
         p = self.p
