@@ -806,6 +806,26 @@ def test_link_capped_bench_predicts_at_the_measured_speed_by_scaling_compute_not
     assert at_speed(retain, 2.0) == pytest.approx(tp.evaluate(slow, ["retain"] * n, 2**50)["step_time"], rel=1e-12)
 
 
+def test_executor_overhead_bench_times_the_lean_swap_path_on_the_cpu_backend(tmp_path: Path) -> None:
+    """benches/executor_overhead.py on the CPU backend: the all-swap plan's steady steps take the
+    lean swap path, and --breakdown times its parts (the backend's copies out and back, the
+    unpacks and frees of its slots), patched back afterwards."""
+    import runpy
+
+    from cuda_exec.inline_swap import InlineGroup, InlineHandle
+
+    root = Path(__file__).resolve().parents[1]
+    main = runpy.run_path(str(root / "benches" / "executor_overhead.py"), run_name="checked")["main"]
+    drop, unpack = InlineGroup.drop, InlineHandle.unpack
+    out = main(["--blocks", "3", "--rounds", "2", "--plans", "swap-all", "--breakdown", "2"])
+    (row,) = out["rows"]
+    spent = row["breakdown_us_per_moved_unit"]
+    assert {"backend.copy_out", "backend.copy_back", "backend.give_back", "lean swap unpack",
+            "lean swap free"} <= set(spent), spent
+    assert "backend.offload" not in spent or spent["backend.offload"] < spent["backend.copy_out"], spent
+    assert InlineGroup.drop is drop and InlineHandle.unpack is unpack
+
+
 def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_path: Path) -> None:
     """benches/executor_overhead.py --backend cuda-null (issue 17's host work of the CUDA backend,
     without a GPU): the swap plan's steps run through CudaBackend, whose runtime calls per swapped
