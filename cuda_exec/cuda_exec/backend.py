@@ -4,6 +4,11 @@ A backend moves tensors between the device tier (memory torch's allocator counts
 CUDA, torch's CPU allocator on CPU) and the host tier (pinned buffers on CUDA; memory outside
 torch's allocator on CPU). Copies are asynchronous and run in FIFO order on one copy queue (the
 cost model's copy stream, docs/cost-model.md).
+
+A backend whose small copies complete on the caller's thread (the CPU backend, up to its
+``inline_bytes``) may also have ``copy_out(storages) -> buffers``, ``copy_back(buffers) ->
+storages`` and ``give_back(buffers)``: a stage's storages copied at once, with no handle per
+storage (the executor's lean swap path, inline_swap.py).
 """
 
 from __future__ import annotations
