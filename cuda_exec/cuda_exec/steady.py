@@ -45,8 +45,7 @@ def _inline_packs(p: Program, st: _StepState) -> List[bool]:
     storage's entry, which nothing looks up (no later pack saves the storage version again, no
     segment takes it as an argument, no tracker), of a unit whose swap-out the plan does not
     cancel, with a backend that copies small storages on the host's thread (verify mode: none)."""
-    if (p.any_tracked or st.verify or getattr(st.backend, "copy_out", None) is None
-            or getattr(st.backend, "inline_bytes", 0) <= 0):
+    if p.any_tracked or st.verify or st.inline_bytes <= 0 or getattr(st.backend, "copy_out", None) is None:
         return [False] * len(p.acts)
     tb = p.table
     cancelled = st.unstarted | st.in_flight
