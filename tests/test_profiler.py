@@ -564,8 +564,8 @@ def test_the_host_cost_fit_can_be_left_out(monkeypatch):
 def test_host_costs_are_fitted_to_the_model_only_upwards():
     """The executor's calibrated host costs come from synthetic blocks; the profile raises them
     (never lowers the drop and stage costs) until the cost model predicts a plan's measured step
-    on this model, the step over the plain step timed between its steps, times the profile's
-    plain step (the swap costs also move down: the next test)."""
+    on this model, the quickest of its steps over the quickest plain step timed between them, times
+    the profile's plain step (the swap costs also move down: the next test)."""
     from tensorplace.profiler import _fit_cost
 
     torch.manual_seed(0)
@@ -587,6 +587,16 @@ def test_host_costs_are_fitted_to_the_model_only_upwards():
     r = copy.deepcopy(p)
     _fit_cost(r, actions, None, [1.0] * 3, [0.5 * slower / 1.5] * 3, ("drop",))
     assert r["executor"] == p["executor"]
+    # the quickest steps count (a busy machine only slows steps down): two slow steps of the plan
+    # and one of the plain steps change nothing
+    t = copy.deepcopy(p)
+    _fit_cost(t, actions, None, [1.0, 1.0, 3.0], [slower, 5 * slower, 4 * slower], ("drop",))
+    assert step(t) == pytest.approx(1.5 * before, rel=1e-6)
+    # a difference within the plain steps' own noise (their median 60% above their quickest) is
+    # not fitted: it cannot be told from a machine that slowed down
+    u = copy.deepcopy(p)
+    _fit_cost(u, actions, None, [1.0, 1.6, 1.7], [slower] * 3, ("drop",))
+    assert u["executor"] == p["executor"]
 
 
 def test_swap_costs_are_fitted_to_the_model_both_ways():
@@ -634,12 +644,14 @@ def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
     # of this model, only the plans whose steps the profile measures run through the executor:
     # every unit recomputed in the replay step, then the steady replay step's two and three timed
-    # ones; the first unit swapped alone and every unit swapped, a learning step and three timed
-    # ones each (the executor's host costs, measured once per process, run executors of other
-    # models)
+    # ones, each after an untimed one; the first unit swapped alone and every unit swapped, a
+    # learning step each, then three rounds of an untimed and a timed step of each (the
+    # executor's host costs, measured once per process, run executors of other models)
     first = ["retain"] * 5
     first[next(i for i, u in enumerate(p["units"]) if u["act_bytes"] > 0)] = "swap"
-    assert [p for p in plans if len(p) == 5] == [["recompute"] * 5] * 6 + [first, ["swap"] * 5] * 4
+    every = ["swap"] * 5
+    assert [p for p in plans if len(p) == 5] == ([["recompute"] * 5] * 9 + [first, every]
+                                                 + [first, first, every, every] * 3)
     assert _hooks_left(model) == 0
     assert torch._C._len_torch_function_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -21,7 +21,10 @@ Step times are taken in rounds once every row is measured: each row then runs on
 the model (a deep copy: no executor's hooks on another row's modules), each round times one step
 of every row, in turn (reversed every other round), and a row's time is its median over the
 rounds. A machine whose load changes during the run then slows every row alike instead of the
-rows measured at the time.
+rows measured at the time. Each timed step follows an untimed step of the same row: in training
+the same model steps again and again, with its data in the caches; a step timed right after
+another row's (other weights, other buffers) took 5-9% longer on this project's CPU with tiny
+kernels (GPT6 of width 64, one thread), a cost no training run pays.
 
 ``time_limit``: seconds a row may take in all (its search, its measured steps, its timed steps);
 a row that runs out is reported with an ``error`` and the others go on. The limit is checked
@@ -381,8 +384,9 @@ def compare_peers(
                     + f", bitwise {'yes' if r['bitwise'] else 'NO'}")
 
         timed = [row for row in rows if "error" not in row.record]
-        note(f"step times: {repeats} rounds of {len(timed)} steps")
-        say(f"peers: step times, {repeats} rounds of one step of each of {len(timed)} rows, each on its own copy of the model")
+        note(f"step times: {repeats} rounds of {len(timed)} steps, each after an untimed step of its row")
+        say(f"peers: step times, {repeats} rounds of one step (after an untimed one) of each of {len(timed)} rows, "
+            "each on its own copy of the model")
         t0 = time.perf_counter()
         _time_in_rounds(timed, model, x, loss_fn, repeats, time_limit, backend)
         say(f"peers: step times done in {time.perf_counter() - t0:.1f} s")
@@ -492,7 +496,7 @@ def _measure_row(row: _Row, model: nn.Module, x: Any, loss_fn: Callable[[Any], t
 def _time_in_rounds(rows: Sequence[_Row], model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor],
                     rounds: int, time_limit: Optional[float], backend: Any) -> None:
     """Set ``step_time`` (median) and ``step_times`` of every row from ``rounds`` rounds of one
-    step of each row, on its own copy of the model, in turn (module docstring)."""
+    timed step (after an untimed one) of each row, on its own copy of the model, in turn (module docstring)."""
     from .profiler import _Clock, _timed_plain_step
 
     dev = next(model.parameters()).device
@@ -513,6 +517,8 @@ def _time_in_rounds(rows: Sequence[_Row], model: nn.Module, x: Any, loss_fn: Cal
                 try:
                     with _time_limit(left, f"row {row.name!r}'s timed steps"):
                         with context() if context is not None else contextlib.nullcontext():
+                            if r >= 0:  # an untimed step first: the row's caches warm (module docstring)
+                                _timed_plain_step(module, (x,), loss_fn, clock)
                             seconds = _timed_plain_step(module, (x,), loss_fn, clock)
                     if r >= 0:
                         times[i].append(seconds)
@@ -581,7 +587,7 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
     p.add_argument("--link", type=float, default=None, metavar="GB/s",
                    help="cap the CPU backend's host copies at this bandwidth (a GPU-like copy/compute ratio)")
     p.add_argument("--repeats", type=positive_int, default=3,
-                   help="rounds of timed steps, one step of every row per round (median per row)")
+                   help="rounds of timed steps, one step of every row per round after an untimed one (median per row)")
     p.add_argument("--particles", type=positive_int, default=100)
     p.add_argument("--iterations", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
