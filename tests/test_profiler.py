@@ -682,6 +682,35 @@ def test_the_instruments_own_time_is_kept_out_of_unit_times(monkeypatch):
     assert all("held_from" in u and "saved_from" in u for u in p["units"])
 
 
+def test_the_instruments_walk_and_hooks_do_not_move_time_between_units(monkeypatch):
+    """The instrument's walk of the graph before the backward is in no unit's window (it was the
+    last unit's forward: a recompute of that unit was charged for it), and slow forward hooks do
+    not move the plain step's backward into the forward: forward windows are scaled to the plain
+    step's forward and loss, backward windows to the rest."""
+    bisect, pre = tpp._bisect_right, tpp._Instruments._pre
+
+    def slow_walk(a, x):  # per node of the walk
+        time.sleep(0.005)
+        return bisect(a, x)
+
+    def slow_pre(self, module, args):
+        time.sleep(0.005)
+        return pre(self, module, args)
+
+    monkeypatch.setattr(tpp, "_bisect_right", slow_walk)
+    monkeypatch.setattr(tpp._Instruments, "_pre", slow_pre)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    p = tpp.profile_model(model, torch.randn(32, 64), repeats=3, fit_host_costs=False)
+    units = p["units"]
+    fwd = sum(u["fwd_time"] for u in units)
+    bwd = sum(u["bwd_time"] for u in units)
+    assert units[-1]["fwd_time"] < 0.5 * fwd
+    # 5 ms per unit in the instrumented forward against well under a millisecond of backward
+    assert fwd < 0.8 * (fwd + bwd)
+    assert bwd > 0
+
+
 def test_a_unit_sequence_that_changes_in_a_timed_step_is_refused():
     model = Extra()
     with pytest.raises(tpp.ProfilerError) as e:
