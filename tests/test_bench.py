@@ -409,6 +409,7 @@ def test_peers_measures_the_recipes_and_the_plans(capsys, tmp_path, monkeypatch)
         assert name in rows and name in out, name
     base = rows["unplanned"]
     assert base["peak_ratio"] == base["time_ratio"] == 1.0
+    assert f"{base['step_time'] / base['profile_step_time']:.3f}x the profile's plain step" in " ".join(out.split())
     assert rows["checkpoint per block"]["peak_bytes"] < base["peak_bytes"]
     for r in rows.values():
         assert "error" not in r, r

@@ -32,6 +32,8 @@ def test_peers_rows_are_measured_and_plans_keep_the_recipes_memory() -> None:
         assert name in by_name, (name, list(by_name))
     base = by_name["unplanned"]
     assert base["peak_ratio"] == 1.0 and base["time_ratio"] == 1.0
+    # the profile's plain step, on which every prediction is (the machine's drift shows against it)
+    assert base["profile_step_time"] > 0
     # step times from two rounds of one step per row, each row's time the median of its own
     for r in rows:
         if "error" not in r:

@@ -393,6 +393,11 @@ def compare_peers(
     gc.collect()
     out = [row.record for row in rows]
     base = out[0]
+    # every prediction is on the profile's clock: the unplanned row's step over the profile's plain
+    # step is how much the machine's speed moved between profiling and the timed rounds
+    measured = probe.to_dict()["profile"].get("measured") or {}
+    if measured.get("step_time"):
+        base["profile_step_time"] = float(measured["step_time"])
     for r in out:
         if "peak_bytes" in r and "peak_bytes" in base:
             r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
@@ -564,6 +569,11 @@ def _print_table(rows: List[Dict[str, Any]]) -> None:
             "" if "error" in r else num(r, "predicted_step_time", lambda v: f"{v * 1e3:.0f} ms").replace("-", ""),
         )
     Console().print(t)
+    base = rows[0] if rows else {}
+    if base.get("step_time") and base.get("profile_step_time"):
+        Console().print(f"The unplanned step measured {base['step_time'] / base['profile_step_time']:.3f}x the "
+                        f"profile's plain step ({base['profile_step_time'] * 1e3:.1f} ms), on which every "
+                        "predicted step is: the machine's speed between profiling and the timed rounds.")
 
 
 def _stderr_line(text: str) -> None:
