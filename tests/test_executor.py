@@ -27,7 +27,7 @@ from cuda_exec.executor import (  # noqa: E402
     read_plan,
 )
 from cuda_exec.memory import measure_peak  # noqa: E402
-from cuda_exec.units import UnitRecord, UnitTracker, is_replaying  # noqa: E402
+from cuda_exec.units import UnitRecord, UnitTracker, ViewMeta, is_replaying  # noqa: E402
 from cuda_exec.verify import VerificationError  # noqa: E402
 
 torchvision = pytest.importorskip("torchvision")
@@ -647,6 +647,47 @@ def test_chained_units_prefetch_from_the_next_units_hook() -> None:
     planned.close()
 
 
+def test_a_prefetch_hook_fires_when_its_tensors_gradient_arrives_beside_other_hooks() -> None:
+    """steady._on_gradient (a tensor's hook without a RemovableHandle): it fires before the node
+    that made the tensor, after the user's own hooks of that tensor, both stages' hooks of one
+    step fire, a hook of an earlier step's state is replaced (not chained), and a tensor written
+    in place is hooked at its new node, as ``register_hook`` does."""
+    from cuda_exec.steady import _on_gradient
+
+    class Hook:
+        def __init__(self, state: object, log: List[str], name: str) -> None:
+            self.state, self.log, self.name = state, log, name
+
+        def __call__(self, grad: torch.Tensor) -> None:
+            self.log.append(self.name)
+
+    x = torch.randn(3, requires_grad=True)
+    now, earlier = object(), object()
+    log: List[str] = []
+    a = x * 2
+    a.grad_fn.register_prehook(lambda g: log.append("node"))
+    a.register_hook(lambda g: log.append("user"))
+    _on_gradient(a, Hook(now, log, "stage 1"))
+    _on_gradient(a, Hook(now, log, "stage 2"))
+    (a * 3).sum().backward()
+    assert log == ["user", "stage 1", "stage 2", "node"]
+
+    log.clear()
+    b = x * 2
+    _on_gradient(b, Hook(earlier, log, "an earlier step"))
+    _on_gradient(b, Hook(now, log, "this step"))
+    (b * 3).sum().backward()
+    assert log == ["this step"]
+
+    log.clear()
+    c = x * 2
+    _on_gradient(c, Hook(now, log, "before relu_"))
+    c.relu_()
+    _on_gradient(c, Hook(now, log, "after relu_"))
+    (c * 3).sum().backward()
+    assert log == ["after relu_", "before relu_"]
+
+
 def test_a_steady_swap_step_keeps_few_python_objects_until_its_backward() -> None:
     """What a steady step keeps alive from its forward to its backward is what CPython's cyclic
     collector promotes and, every few hundred steps, walks with every object of the process
@@ -680,13 +721,13 @@ def test_a_steady_swap_step_keeps_few_python_objects_until_its_backward() -> Non
     assert kept["function"] + kept["cell"] <= 12, kept  # the forward's end, not one per unit
     assert kept["ViewMeta"] == 0 and kept["tuple"] <= 12, kept
     assert kept["_StageHook"] <= len(recs), kept
-    # per storage its handle; per unit its group and the group's two lists, its stage hook and
-    # the node's hook dict (no copy group, no entry, no host handle: these storages take the
+    # per storage its handle; per unit its group and the group's three lists, its stage hook and
+    # the tensor's hook dict (no copy group, no entry, no host handle: these storages take the
     # lean path); a few per step
     assert kept["CopyGroup"] == 0 and kept["_Entry"] == 0 and kept["CpuHostHandle"] == 0, kept
     assert kept["InlineHandle"] == storages, kept
     executor_owned = sum(kept.values()) - kept["Tensor"] - sum(v for k, v in kept.items() if k.endswith("Backward0"))
-    assert executor_owned <= storages + 5 * len(recs) + 40, kept
+    assert executor_owned <= storages + 6 * len(recs) + 40, kept
     planned.close()
 
 
@@ -1349,9 +1390,13 @@ def test_cpu_backend_copies_a_stages_storages_out_and_back_at_once(host: str) ->
     assert bufs[1] is None and be.stats().buffers_in_use == 3 and be.stats().bytes_in_use == 2024
     for src in srcs:
         src.fill_(0)  # the device bytes are free to go once copied out
-    back = be.copy_back([bufs[0], bufs[2]])
-    assert [bytes(st) for st in back] == [bytes(bufs[0].numpy()), bytes(bufs[2].numpy())]
-    assert all(st.device.type == "cpu" and st.data_ptr() != b.data_ptr() for st, b in zip(back, (bufs[0], bufs[2])))
+    # back as tensors: a whole storage's (a new dense tensor) and a view at an offset of one
+    views = [ViewMeta((10, 100), (100, 1), 0, torch.uint8), ViewMeta((2, 4), (1, 10), 3, torch.uint8)]
+    back = be.copy_back([bufs[0], bufs[3]], views)
+    assert [bytes(t.untyped_storage()) for t in back] == [bytes(bufs[0].numpy()), bytes(bufs[3].numpy())]
+    assert all(t.device.type == "cpu" and t.data_ptr() != b.data_ptr() for t, b in zip(back, (bufs[0], bufs[3])))
+    assert [ViewMeta.of(t) for t in back] == views
+    assert back[1].untyped_storage().nbytes() == 1000 and torch.equal(back[1], bufs[3].as_strided((2, 4), (1, 10), 3))
     be.give_back([b for b in bufs if b is not None])
     st = be.stats()
     assert st.buffers_in_use == 0 and st.bytes_in_use == 0 and st.buffers_pooled == 3

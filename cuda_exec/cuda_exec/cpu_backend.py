@@ -25,7 +25,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .units import ViewMeta
+
 __all__ = ["CpuBackend", "CpuHostHandle", "CopyGroup", "BackendStats"]
+
+_CPU = torch.device("cpu")
 
 
 class CpuHostHandle:
@@ -260,20 +264,24 @@ class CpuBackend:
             self._inline_in_use[1] += nbytes
         return out
 
-    def copy_back(self, buffers: List[torch.Tensor]) -> List[torch.UntypedStorage]:
+    def copy_back(self, buffers: List[torch.Tensor], views: List[ViewMeta]) -> List[torch.Tensor]:
         """Copy host buffers of :meth:`copy_out` back now, into new device storages (torch's
-        allocator counts them from here)."""
+        allocator counts them from here), each as a tensor with the view of ``views`` over it."""
         if self._error is not None or self._closed:
             self._check()
-        out: List[torch.UntypedStorage] = []
+        out: List[torch.Tensor] = []
         nbytes = 0
         move = ctypes.memmove
-        new = torch.UntypedStorage
-        for b in buffers:
+        for b, v in zip(buffers, views):
             n = b.numel()
-            st = new(n)
-            move(st.data_ptr(), b.data_ptr(), n)
-            out.append(st)
+            if v.offset == 0 and v.dense_bytes() == n:
+                t = torch.empty_strided(v.size, v.stride, dtype=v.dtype)
+                move(t.data_ptr(), b.data_ptr(), n)
+            else:
+                st = torch.UntypedStorage(n)
+                move(st.data_ptr(), b.data_ptr(), n)
+                t = v.view_of(st, _CPU)
+            out.append(t)
             nbytes += n
         c = self._counters
         c["prefetches"] += len(out)

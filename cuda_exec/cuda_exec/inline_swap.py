@@ -36,30 +36,29 @@ FREED: Any = object()
 class InlineGroup:
     """A swapped unit's storages of one step, by slot (in pack order)."""
 
-    __slots__ = ("unit", "device", "host", "copied", "live")
+    __slots__ = ("unit", "device", "host", "views", "copied", "live")
 
     def __init__(self, unit: int) -> None:
         self.unit = unit
-        #: per slot, its device bytes: until the stage boundary copies them out, and again once
-        #: copied back (None between; FREED once autograd let go of its saved tensor)
+        #: per slot, its device bytes: the saved storage until the stage boundary copies it out,
+        #: then the saved tensor once copied back (None between; FREED once autograd let go of it)
         self.device: List[Any] = []
+        #: per slot, the saved tensor's view of its storage
+        self.views: List[ViewMeta] = []
         #: per slot, its host buffer once copied out (given back with the group's last slot)
         self.host: List[Optional[torch.Tensor]] = []
         self.copied = 0  #: slots before this one were handed to a copy out
         self.live = 0  #: slots whose saved tensor autograd still holds
 
-    def storage(self, slot: int, state: "_StepState") -> torch.UntypedStorage:
-        """Slot ``slot``'s device bytes, copied back now if the plan did not prefetch them."""
-        st = self.device[slot]
-        if st is not None and st is not FREED:
-            return st
-        buf = self.host[slot] if st is None else None
+    def fetch(self, slot: int, state: "_StepState") -> torch.Tensor:
+        """Slot ``slot``'s saved tensor, copied back now: the plan did not prefetch it."""
+        buf = self.host[slot] if self.device[slot] is None else None
         if buf is None:
             state.check_alive()
             raise RuntimeError(f"a swapped tensor of unit {self.unit} was needed after it was freed")
         state.stats.unscheduled_fetches += 1
-        st = self.device[slot] = state.backend.copy_back([buf])[0]
-        return st
+        t = self.device[slot] = state.backend.copy_back([buf], [self.views[slot]])[0]
+        return t
 
     def drop(self, slot: int, state: "_StepState") -> None:
         """Autograd let go of slot ``slot``'s saved tensor: its device bytes go now, the host
@@ -71,6 +70,7 @@ class InlineGroup:
 
     def free(self, state: "_StepState") -> None:
         self.device = []
+        self.views = []
         host, self.host = self.host, []
         bufs = [b for b in host if b is not None]
         if bufs:
@@ -79,8 +79,7 @@ class InlineGroup:
             del state.inline_groups[self.unit]
 
 
-def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, meta: ViewMeta,
-               device: torch.device) -> "InlineHandle":
+def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, meta: ViewMeta) -> "InlineHandle":
     """A saved tensor of unit ``owner`` over ``storage`` (``meta``: its view) swapped: a new slot
     of the unit's group, copied out at the next stage boundary; what autograd keeps for it."""
     group = state.inline_groups.get(owner)
@@ -91,12 +90,13 @@ def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, m
         state.inline_open.append(group)
     slots.append(storage)
     group.host.append(None)
+    group.views.append(meta)
     group.live += 1
     stats = state.stats
     stats.swap_storages += 1
     stats.lean_swaps += 1
     stats.swap_bytes += storage.nbytes()
-    return InlineHandle(state, group, len(slots) - 1, meta, device)
+    return InlineHandle(state, group, len(slots) - 1)
 
 
 def copy_out_saved(state: "_StepState") -> None:
@@ -122,6 +122,7 @@ def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
     those not copied out yet are still on the device."""
     todo = []
     bufs: List[torch.Tensor] = []
+    views: List[ViewMeta] = []
     groups = state.inline_groups
     for u in units:
         g = groups.get(u)
@@ -132,9 +133,10 @@ def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
             if device[s] is None:  # copied out, not freed
                 todo.append((device, s))
                 bufs.append(host[s])  # type: ignore[arg-type]
+                views.append(g.views[s])
     if not bufs:
         return
-    back = state.backend.copy_back(bufs)
+    back = state.backend.copy_back(bufs, views)
     for (device, s), st in zip(todo, back):
         device[s] = st
     state.stats.prefetches += len(back)
@@ -143,25 +145,25 @@ def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
 class InlineHandle:
     """What autograd keeps for a saved tensor of an :class:`InlineGroup`."""
 
-    __slots__ = ("state", "group", "slot", "meta", "device")
+    __slots__ = ("state", "group", "slot")
 
-    def __init__(self, state: "_StepState", group: InlineGroup, slot: int, meta: ViewMeta,
-                 device: torch.device) -> None:
+    def __init__(self, state: "_StepState", group: InlineGroup, slot: int) -> None:
         self.state = state
         self.group = group
         self.slot = slot
-        self.meta = meta
-        self.device = device
 
     def unpack(self) -> torch.Tensor:
         state = self.state
         if state.dead:
             state.check_alive()
         g = self.group
-        st = g.device[self.slot]
-        if st is None or st is FREED:
-            st = g.storage(self.slot, state)
-        return self.meta.view_of(st, self.device)
+        slot = self.slot
+        d = g.device[slot]
+        if d.__class__ is torch.Tensor:  # copied back
+            return d
+        if d is None or d is FREED:
+            return g.fetch(slot, state)
+        return g.views[slot].view_of(d, d.device)  # not copied out yet
 
     def __del__(self) -> None:
         try:

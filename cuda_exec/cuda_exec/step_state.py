@@ -499,7 +499,7 @@ class _StepState:
         poll = self._poll
         if poll is not None and (self.by_unit or self.swapper is not None):  # copies that may be in flight
             poll()
-        if label in self.swap_deadlines:
+        if self.by_unit and label in self.swap_deadlines:  # (the lean path's copies need no waits)
             self._keep_deadlines(label)
         if self.swapper is not None:
             # after the deadlines: the model lets swap-outs leave before a prefetch allocates

@@ -211,13 +211,14 @@ class ViewMeta:
     never changed once made. A class with slots, not a frozen dataclass, which takes twice as long
     to make: one is made at every saved tensor the executor swaps or drops."""
 
-    __slots__ = ("size", "stride", "offset", "dtype")
+    __slots__ = ("size", "stride", "offset", "dtype", "_dense")
 
     def __init__(self, size: Tuple[int, ...], stride: Tuple[int, ...], offset: int, dtype: torch.dtype) -> None:
         self.size = size
         self.stride = stride
         self.offset = offset
         self.dtype = dtype
+        self._dense = -1  #: dense_bytes(), once asked
 
     def _key(self) -> Tuple[Any, ...]:
         return (self.size, self.stride, self.offset, self.dtype)
@@ -243,6 +244,16 @@ class ViewMeta:
     def view_of(self, storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
         """A tensor with this metadata over ``storage``."""
         return empty_tensor(self.dtype, device).set_(storage, self.offset, self.size, self.stride)
+
+    def dense_bytes(self) -> int:
+        """Bytes of the storage ``torch.empty_strided(size, stride)`` makes: where a storage of
+        this many bytes holds the view at offset 0, a new one comes from that call (half of what
+        a new storage and :meth:`view_of` take)."""
+        d = self._dense
+        if d < 0:
+            d = 0 if 0 in self.size else (1 + sum((n - 1) * s for n, s in zip(self.size, self.stride)))
+            d = self._dense = d * self.dtype.itemsize
+        return d
 
 
 #: an empty tensor per (dtype, device), whose ``new()`` makes another
