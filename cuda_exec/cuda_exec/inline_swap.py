@@ -45,7 +45,8 @@ class InlineGroup:
         self.device: List[Any] = []
         #: per slot, the saved tensor's view of its storage
         self.views: List[ViewMeta] = []
-        #: per slot, its host buffer once copied out (given back with the group's last slot)
+        #: per slot copied out, its host buffer (None: freed before its copy); given back with
+        #: the group's last slot
         self.host: List[Optional[torch.Tensor]] = []
         self.copied = 0  #: slots before this one were handed to a copy out
         self.live = 0  #: slots whose saved tensor autograd still holds
@@ -89,7 +90,6 @@ def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, m
     if group.copied == len(slots):  # its first storage since the last stage boundary
         state.inline_open.append(group)
     slots.append(storage)
-    group.host.append(None)
     group.views.append(meta)
     group.live += 1
     stats = state.stats
@@ -108,13 +108,14 @@ def copy_out_saved(state: "_StepState") -> None:
     bufs = state.backend.copy_out(storages)
     i = 0
     for g in groups:
-        device, host = g.device, g.host
-        for s in range(g.copied, len(device)):
-            host[s] = bufs[i]
+        device = g.device
+        c, n = g.copied, len(device)
+        g.host += bufs[i:i + n - c]
+        i += n - c
+        for s in range(c, n):
             if device[s] is not FREED:
                 device[s] = None  # the model lets go of the bytes when it does
-            i += 1
-        g.copied = len(device)
+        g.copied = n
 
 
 def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:

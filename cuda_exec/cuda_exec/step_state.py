@@ -554,6 +554,8 @@ class _StepState:
             if self.inline_groups:
                 copy_back_units(self, units)
             by_unit = self.by_unit
+            if not by_unit:  # every swap took the lean path
+                return
             many = self._prefetch_many
             if many is None:
                 for u in units:
