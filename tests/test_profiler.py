@@ -711,6 +711,38 @@ def test_the_instruments_walk_and_hooks_do_not_move_time_between_units(monkeypat
     assert bwd > 0
 
 
+def test_unit_times_add_up_to_the_plain_step_when_one_unit_is_slow_in_each_run(monkeypatch):
+    """Each timed run has one slow unit (another one each run): every unit's median leaves it out,
+    and the unit times still add up to the plain step. The scales divided by the median of the
+    runs' sums, which keeps one slow unit: every unit came out short by it (on real runs, whose
+    noise only slows steps down, 2-3% short on a GPT6s, and every plan predicted that much low)."""
+    init, pre = tpp._Instruments.__init__, tpp._Instruments._pre
+    made: list = []
+    calls: dict = {}
+
+    def counting_init(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    def slow_pre(self, module, args):
+        i = calls.get(id(self), 0)
+        calls[id(self)] = i + 1
+        if i == len(made) % 5:
+            time.sleep(0.02)
+        return pre(self, module, args)
+
+    monkeypatch.setattr(tpp._Instruments, "__init__", counting_init)
+    monkeypatch.setattr(tpp._Instruments, "_pre", slow_pre)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=3, fit_host_costs=False)
+    assert len(made) >= 3
+    units = p["units"]
+    total = sum(u["fwd_time"] + u["bwd_time"] for u in units)
+    assert total == pytest.approx(p["measured"]["step_time"], rel=1e-9)
+    assert max(u["fwd_time"] for u in units) < 0.02  # no unit kept its slow run
+
+
 def test_a_unit_sequence_that_changes_in_a_timed_step_is_refused():
     model = Extra()
     with pytest.raises(tpp.ProfilerError) as e:
