@@ -743,6 +743,25 @@ def test_unit_times_add_up_to_the_plain_step_when_one_unit_is_slow_in_each_run(m
     assert max(u["fwd_time"] for u in units) < 0.02  # no unit kept its slow run
 
 
+def test_a_timed_plain_step_does_not_time_clearing_the_gradients(monkeypatch):
+    """Setting every gradient to None walks every module (0.2 ms of a 3.7 ms step of the 193-unit
+    tiny stack; a training loop's zero_grad() goes through a list): the profile's plain steps and
+    peers' rounds clear them before the clock starts, not inside the timed step."""
+    clear = tpp._clear_grads
+
+    def slow_clear(model):
+        time.sleep(0.05)
+        clear(model)
+
+    monkeypatch.setattr(tpp, "_clear_grads", slow_clear)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    clock = tpp._Clock(torch.device("cpu"))
+    tpp._timed_plain_step(model, (x,), None, clock)
+    assert model[0].weight.grad is not None
+    assert min(tpp._timed_plain_step(model, (x,), None, clock) for _ in range(3)) < 0.05
+
+
 def test_a_unit_sequence_that_changes_in_a_timed_step_is_refused():
     model = Extra()
     with pytest.raises(tpp.ProfilerError) as e:
