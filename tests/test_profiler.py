@@ -68,7 +68,8 @@ def _hooks_left(model):
         len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
         + len(getattr(m, "_backward_pre_hooks", {}))
         for m in model.modules()
-    ) + sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    ) + sum(  # a parameter's hook dict, even emptied, keeps a C++ hook that calls into Python
+        getattr(p, "_post_accumulate_grad_hooks", None) is not None for p in model.parameters())
 
 
 # ------------------------------------------------------------------------------------ resnet18
