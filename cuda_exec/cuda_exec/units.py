@@ -218,7 +218,7 @@ class ViewMeta:
         self.stride = stride
         self.offset = offset
         self.dtype = dtype
-        self._dense = -1  #: dense_bytes(), once asked
+        self._dense = -1  #: dense_bytes(), once asked (a cache: not part of what the view is)
 
     def _key(self) -> Tuple[Any, ...]:
         return (self.size, self.stride, self.offset, self.dtype)
