@@ -574,7 +574,8 @@ def test_host_costs_are_fitted_to_the_model_only_upwards():
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
     costs = p["executor"]
     assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) for k in ("drop", "stage"))
-    assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) / 8 * (1 - 1e-9) for k in ("swap", "swap_async"))
+    assert all(costs[k] >= costs.get(f"{k}_calibrated", costs[k]) / 8 * (1 - 1e-9)
+               for k in ("swap", "swap_async", "step"))
     actions = ["recompute"] * 5
     step = lambda q: tp.evaluate(q, actions, 2**62)["step_time"]  # noqa: E731
     before = step(p)
@@ -630,6 +631,45 @@ def test_swap_costs_are_fitted_to_the_model_both_ways():
     assert s["executor"] == p["executor"]
 
 
+def test_the_step_cost_is_fitted_to_the_models_all_retain_step(monkeypatch):
+    """The executor's own work per step (``step``: every plan pays it, all-retain too) is fitted
+    first, from the all-retain plan's steps timed between plain steps, both ways; the drop cost's
+    fit then starts from it."""
+    from tensorplace import profiler
+
+    seen = []
+    fits = []
+    fit = profiler._fit_cost
+
+    def fake_steps(model, planned, args, loss_fn, clock, repeats):
+        seen.append(sorted(planned))
+        # the all-retain plan measured 1.25x the plain step
+        return {"plain": [1.0] * 3, "retain": [1.25] * 3, "plan": [1.0] * 3}
+
+    def spy(profile, actions, starts, plain_s, planned_s, keys, lower=False):
+        fits.append((tuple(keys), set(actions), lower, profile["executor"].get("step")))
+        fit(profile, actions, starts, plain_s, planned_s, keys, lower)
+
+    monkeypatch.setattr(profiler, "_interleaved_steps", fake_steps)
+    monkeypatch.setattr(profiler, "_fit_cost", spy)
+    monkeypatch.setattr(profiler, "_fit_swap_cost", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
+    assert seen == [["plan", "retain"]]
+    costs = p["executor"]
+    assert "step_calibrated" in costs and costs["step"] != costs["step_calibrated"]
+    assert tp.evaluate(p, ["retain"] * 5, 2**62)["step_time"] == pytest.approx(1.25 * p["measured"]["step_time"],
+                                                                               rel=1e-6)
+    # the step first, then the drop cost from the fitted step
+    assert [f[:3] for f in fits] == [(("step",), {"retain"}, True), (("drop",), {"recompute"}, False)]
+    assert fits[0][3] == costs["step_calibrated"] and fits[1][3] == costs["step"]
+    # lowered too, to an eighth at most: an all-retain step as quick as the plain one
+    q = copy.deepcopy(p)
+    fit(q, ["retain"] * 5, None, [1.0] * 3, [1.0] * 3, ("step",), lower=True)
+    assert q["executor"]["step"] == pytest.approx(costs["step"] / 8)
+
+
 def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     cex = _executor_module()
     plans = []
@@ -644,15 +684,17 @@ def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     p = tpp.profile_model(model, torch.randn(4, 16), repeats=1)
     # of this model, only the plans whose steps the profile measures run through the executor:
-    # every unit recomputed in the replay step, then the steady replay step's two and three timed
-    # ones, each after an untimed one; the first unit swapped alone and every unit swapped, a
-    # learning step each, then three rounds of an untimed and a timed step of each (the
-    # executor's host costs, measured once per process, run executors of other models)
+    # every unit recomputed in the replay step, then the steady replay step's two; the all-retain
+    # plan's learning step, then three rounds of an untimed and a timed step of it and of the
+    # all-recompute plan; the first unit swapped alone and every unit swapped, a learning step
+    # each, then three rounds of an untimed and a timed step of each (the executor's host costs,
+    # measured once per process, run executors of other models)
     first = ["retain"] * 5
     first[next(i for i, u in enumerate(p["units"]) if u["act_bytes"] > 0)] = "swap"
     every = ["swap"] * 5
-    assert [p for p in plans if len(p) == 5] == ([["recompute"] * 5] * 9 + [first, every]
-                                                 + [first, first, every, every] * 3)
+    kept, dropped = ["retain"] * 5, ["recompute"] * 5
+    assert [p for p in plans if len(p) == 5] == ([dropped] * 3 + [kept] + [kept, kept, dropped, dropped] * 3
+                                                 + [first, every] + [first, first, every, every] * 3)
     assert _hooks_left(model) == 0
     assert torch._C._len_torch_function_stack() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -933,7 +975,7 @@ def test_the_profile_says_what_the_executor_needs_to_charge_its_host_time():
     p = tpp.profile_model(model, torch.randint(0, 50, (2, 8)), repeats=1)
     units = {u["name"]: (i, u) for i, u in enumerate(p["units"])}
     costs = p["executor"]
-    assert set(costs) >= {"segment", "drop", "swap", "swap_async", "tracked_op", "inline_bytes"}
+    assert set(costs) >= {"segment", "drop", "swap", "swap_async", "tracked_op", "stage", "step", "inline_bytes"}
     assert all(v >= 0 and v == v for v in costs.values())
     qkv_i, qkv = units["blocks.0.attn.qkv"]
     # the attention's functional glue (split, view, matmul, softmax, ...) follows qkv, inside the
@@ -958,7 +1000,7 @@ def test_executor_costs_are_measured_once_per_device():
     a = executor_costs("cpu")
     b = executor_costs("cpu")
     assert a == b  # cached
-    assert a["drop"] > 0 and a["swap"] > 0 and a["segment"] >= 0
+    assert a["drop"] > 0 and a["swap"] > 0 and a["segment"] >= 0 and a["step"] >= 0
 
 
 def test_a_replay_is_charged_on_its_nodes_start_and_a_segment_holds_each_value_once():

@@ -8,18 +8,21 @@ where the plan will run, end to end, with the executor itself on small synthetic
 kernels take microseconds (so the step is host work), by timing steady steps of plans that
 differ in one thing at a time:
 
+* ``step``: the executor's own work per step, under any plan (checking the inputs and which
+  parameters require grad, the step's state, the backward's hook): the all-retain plan against the
+  plain step. The other figures are each plan's step beyond the all-retain plan's;
 * ``segment``: one more replayed checkpoint segment (its frame, the kept arguments, the replay's
   setup): ``B`` one-block segments against one segment of the same ``B`` blocks;
 * ``drop``: one more saved tensor dropped and regenerated (its holder, its capture in the replay,
   its unpack; the hook calls of the segment's other saved tensors are spread over them): the one
-  segment against the plain step and the forward it replays;
+  segment against the all-retain plan and the forward it replays;
 * ``swap``: one more storage swapped (its entry, the copy out and back through the backend, its
   unpack): the all-swap plan against the one swapping the first unit alone; ``swap_async`` the
   same for a storage larger than ``inline_bytes``, which the CPU backend copies on its copy
   thread rather than on the caller's;
 * ``stage``: per stage after a plan's first swapped unit, the swap work at its boundary (frees of
   completed copies, deadlines, the prefetch schedule's hooks): the plan swapping the first unit
-  alone against the plain step, less that unit's swap;
+  alone against the all-retain plan, less that unit's swap;
 * ``tracked_op``: one more glue call of a segment the executor tracks because its glue lies
   outside its module calls (the TorchFunctionMode records it in every step, the replay runs the
   recording; the tracker's work per unit is spread over its glue calls).
@@ -40,7 +43,7 @@ from torch import nn
 __all__ = ["executor_costs", "COST_KEYS"]
 
 #: the host costs a profile's ``executor`` section holds (seconds)
-COST_KEYS = ("segment", "drop", "swap", "swap_async", "tracked_op", "stage", "inline_bytes")
+COST_KEYS = ("segment", "drop", "swap", "swap_async", "tracked_op", "stage", "step", "inline_bytes")
 
 _cache: Dict[Tuple[Any, ...], Dict[str, float]] = {}
 
@@ -156,6 +159,8 @@ def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, ba
 
     block_starts = list(range(0, n, 2))
     plans: Dict[str, Any] = {
+        # nothing moved: the executor's work per step
+        "retain": {"actions": ["retain"] * n},
         # one checkpoint segment per block (aligned: the block's call holds its glue)
         "blocks": {"actions": ["recompute"] * n, "segment_starts": block_starts},
         # one segment of every block: one replay of the whole model
@@ -184,19 +189,20 @@ def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, ba
         for k, be in backends.items():
             if be is not backend:
                 be.close()
-    plain, fwd, front_fwd = t["plain"], t["forward"], t["front"]
+    step_cost = max(0.0, t["retain"] - t["plain"])
+    base, fwd, front_fwd = t["plain"] + step_cost, t["forward"], t["front"]  # base: the all-retain plan's step
     segment = max(0.0, (t["blocks"] - t["one"]) / (blocks - 1))
-    drop = max(0.0, (t["one"] - plain - fwd - segment) / max(sum(packs), 1))
+    drop = max(0.0, (t["one"] - base - fwd - segment) / max(sum(packs), 1))
     # all swapped: storages x swap + (n - 1) x stage; the first alone: its storages x swap + (n - 1) x stage
     swap = max(0.0, (t["swap"] - t["swap_first"]) / max(swaps["swap"] - swaps["swap_first"], 1))
-    stage = max(0.0, (t["swap_first"] - plain - swaps["swap_first"] * swap) / (n - 1))
-    swap_async = (max(0.0, (t["swap_async"] - plain - (n - 1) * stage) / max(swaps["swap_async"], 1))
+    stage = max(0.0, (t["swap_first"] - base - swaps["swap_first"] * swap) / (n - 1))
+    swap_async = (max(0.0, (t["swap_async"] - base - (n - 1) * stage) / max(swaps["swap_async"], 1))
                   if "swap_async" in t else swap)
     a_units = range(0, n, 2)
-    tracked = (t["tracked"] - plain - front_fwd - blocks * segment - drop * sum(packs[u] for u in a_units))
+    tracked = (t["tracked"] - base - front_fwd - blocks * segment - drop * sum(packs[u] for u in a_units))
     tracked_op = max(0.0, tracked / max(sum(glue[u] for u in a_units), 1))
     costs = {"segment": segment, "drop": drop, "swap": swap, "swap_async": swap_async, "tracked_op": tracked_op,
-             "stage": stage, "inline_bytes": float(getattr(backends["swap"], "inline_bytes", 0))}
+             "stage": stage, "step": step_cost, "inline_bytes": float(getattr(backends["swap"], "inline_bytes", 0))}
     if cached:
         _cache[key] = dict(costs)
     return costs

@@ -41,11 +41,12 @@ What one profile call runs, all on the user's model and inputs, in training mode
    replays is above the cost model's prediction of that plan at the backward stage where it
    replays, the excess is that stage's `replay_slack_bytes`, which the model adds under every
    replay of the stage. Skipped, with a warning, if the steps fail.
-6. **Host costs fitted to the model** (on a CPU through the CPU backend): the all-recompute plan's,
-   the first-unit-swapped plan's and the all-swap plan's steady steps, each timed between plain
-   steps, raise the executor's calibrated `drop`, `stage` and `swap`/`swap_async` costs where the
-   cost model predicts the plan shorter than measured, and lower `swap`/`swap_async` where it
-   predicts the all-swap plan longer (`executor`, docs/formats.md).
+6. **Host costs fitted to the model** (on a CPU through the CPU backend): the all-retain plan's,
+   the all-recompute plan's, the first-unit-swapped plan's and the all-swap plan's steady steps,
+   each timed between plain steps, raise the executor's calibrated `step`, `drop`, `stage` and
+   `swap`/`swap_async` costs where the cost model predicts the plan shorter than measured, and
+   lower `step` and `swap`/`swap_async` where it predicts the all-retain or all-swap plan longer
+   (`executor`, docs/formats.md).
 
 Every step checks that the model ran the same sequence of units as the structure step: a model
 whose unit sequence changes from step to step (data-dependent control flow, random layer drop)
@@ -1633,31 +1634,38 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
     replays call a segment's modules again) recorded; where it held more while it replayed a
     segment than the cost model's prediction of that plan at the backward stage where the segment
     replays, the excess goes on that stage's unit. Then, with ``fit`` (:func:`_fits_host_costs`),
-    ``repeats`` (at least 3) more steps of the plan, each after a plain step, fit the executor's
-    ``drop`` cost to this model (:func:`_fit_cost`). Skipped, with a warning, if the steps fail."""
+    ``repeats`` (at least 3) more steps of the all-retain plan and of this one, interleaved with
+    plain steps, fit the executor's ``step`` and ``drop`` costs to this model (:func:`_fit_cost`).
+    Skipped, with a warning, if the steps fail."""
     from .api import run
     from .planning import evaluate, plan_profile
 
     units = profile["units"]
     clock = _Clock(dev)
     plain_s: List[float] = []
+    retain_s: List[float] = []
     planned_s: List[float] = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the executor's own warnings about this plan
             plan = plan_profile(profile, 2**62, "recompute-all")
+            retain = plan_profile(profile, 2**62, "retain")
             fast = run(model, plan, backend=backend, units=units_spec)
+            kept = run(model, retain, backend=backend, units=units_spec) if fit else None
             try:
                 _run_step(fast, args, loss_fn)  # the executor's first step
                 _clear_grads(model)
                 gc.collect()
                 with _memory_recording(dev) as events:
                     _run_step(fast, args, loss_fn)
-                if fit:
-                    times = _interleaved_steps(model, {"plan": fast}, args, loss_fn, clock, repeats)
-                    plain_s, planned_s = times["plain"], times["plan"]
+                if kept is not None:
+                    _run_step(kept, args, loss_fn)
+                    times = _interleaved_steps(model, {"retain": kept, "plan": fast}, args, loss_fn, clock, repeats)
+                    plain_s, retain_s, planned_s = times["plain"], times["retain"], times["plan"]
             finally:
                 fast.close()
+                if kept is not None:
+                    kept.close()
                 _clear_grads(model)
     except Exception as exc:  # noqa: BLE001 - the measurement is optional; say why it is missing
         warnings.warn(f"the steady replay step failed ({type(exc).__name__}: {exc}); the profile has no "
@@ -1673,6 +1681,8 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
         excess = const_total + level - stage_peak[s]
         if excess > units[s].get("replay_slack_bytes", 0):
             units[s]["replay_slack_bytes"] = int(excess)
+    # the executor's own work per step first: every plan's prediction has it
+    _fit_cost(profile, retain.actions, None, plain_s, retain_s, ("step",), lower=True)
     _fit_cost(profile, plan.actions, plan.to_dict().get("segment_starts"), plain_s, planned_s, ("drop",))
 
 
@@ -1692,7 +1702,7 @@ def _interleaved_steps(model: nn.Module, planned: Dict[str, nn.Module], args: Tu
 
 def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[Sequence[int]],
               plain_s: Sequence[float], planned_s: Sequence[float], keys: Sequence[str], lower: bool = False) -> None:
-    """The executor's host costs ``keys`` (``drop``; ``stage``; ``swap`` and ``swap_async``) fitted
+    """The executor's host costs ``keys`` (``step``; ``drop``; ``stage``; ``swap`` and ``swap_async``) fitted
     to this model: the calibration (cuda_exec/calibrate.py) times them on small synthetic blocks, and a
     model whose saved tensors cost more to drop, capture and unpack, or to swap (views of
     attention heads, say), or whose replays take longer than its profiled forwards, is predicted
@@ -1705,8 +1715,9 @@ def _fit_cost(profile: Dict[str, Any], actions: Sequence[str], starts: Optional[
     figures are kept as ``<key>_calibrated``. Where it predicts the plan longer they are lowered
     (down to an eighth) only with ``lower``: the swap costs (the executor's work per swapped unit
     is charged per storage, and the synthetic blocks swap fewer storages per unit than most
-    models, so their figure over-predicts a model's all-swap step); ``drop`` and ``stage`` are
-    never lowered."""
+    models, so their figure over-predicts a model's all-swap step) and ``step`` (the executor checks
+    every parameter per step, and the synthetic blocks may have more than the model); ``drop``
+    and ``stage`` are never lowered."""
     from .planning import evaluate
 
     costs = profile.get("executor")

@@ -1251,7 +1251,7 @@ fn simulate<E: MemoryEvents>(
     // The executor's host work per forward stage under this plan (docs/cost-model.md, "Host
     // time"): per swapped storage, per saved tensor of a recomputed unit's segment, per glue call
     // of a tracked run (one with a unit whose glue lies outside the run's module calls), per stage
-    // after the first swapped unit.
+    // after the first swapped unit, and once per step.
     let c = g.costs;
     if c != crate::profile::ExecutorCosts::default() {
         for u in 0..n {
@@ -1260,6 +1260,10 @@ fn simulate<E: MemoryEvents>(
                 Action::Swap => c.swap_host(g.act[u] as f64, g.act_storages[u], g.d2h, g.h2d),
                 Action::Recompute => c.drop * g.packs[u],
             };
+        }
+        // Every step does the executor's own work (its inputs, its state), whatever the plan.
+        if n > 0 {
+            sim.s.fwd_over[0] += c.step;
         }
         // Every stage after the first swapped unit's does swap work at its boundary (frees of
         // completed copies, deadlines, the prefetch schedule's hooks), whatever its own action.

@@ -216,6 +216,12 @@ pub struct ExecutorCosts {
     /// have it spread over `swap`).
     #[serde(default)]
     pub stage: f64,
+    /// Per step under any plan, all-retain too: the executor's work that no action causes
+    /// (checking the inputs and which parameters require grad, the step's state, the backward's
+    /// hook), charged in the first forward stage. Absent: 0 (older profiles have it spread over
+    /// `drop` and `stage`).
+    #[serde(default)]
+    pub step: f64,
 }
 
 impl ExecutorCosts {

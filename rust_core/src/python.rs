@@ -122,11 +122,11 @@ fn profile_graph(profile_json: &str) -> PyResult<String> {
         "packs": g.packs, "act_storages": g.act_storages, "glue_ops": g.glue_ops,
         "swap_host": (0..g.n).map(|u| g.costs.swap_host(g.act[u] as f64, g.act_storages[u], g.d2h, g.h2d)).collect::<Vec<_>>(),
         "glue_scope": g.glue_scope.iter().map(|s| s.map(|(f, l)| if f == usize::MAX { (-1i64, -1i64) } else { (f as i64, l as i64) })).collect::<Vec<_>>(),
-        "costs": {"segment": g.costs.segment, "drop": g.costs.drop, "swap": g.costs.swap,
-                  "swap_async": g.costs.swap_async.unwrap_or(g.costs.swap), "inline_bytes": g.costs.inline_bytes,
-                  "tracked_op": g.costs.tracked_op},
     });
-    // (a key of its own: one more in the literal exceeds the json! macro's recursion limit)
+    // (keys of their own: more in the literal exceed the json! macro's recursion limit)
+    graph["costs"] = json!({"segment": g.costs.segment, "drop": g.costs.drop, "swap": g.costs.swap,
+                            "swap_async": g.costs.swap_async.unwrap_or(g.costs.swap), "inline_bytes": g.costs.inline_bytes,
+                            "tracked_op": g.costs.tracked_op, "stage": g.costs.stage, "step": g.costs.step});
     graph["no_recompute"] = json!(g.no_recompute);
     Ok(graph.to_string())
 }

@@ -11,7 +11,7 @@ fn eval(p: &tensorplace_core::Profile, a: &[Action]) -> tensorplace_core::Outcom
 }
 
 fn costs() -> ExecutorCosts {
-    ExecutorCosts { segment: 0.5, drop: 0.25, swap: 1.0, swap_async: Some(2.0), inline_bytes: 15.0, tracked_op: 3.0, stage: 0.0 }
+    ExecutorCosts { segment: 0.5, drop: 0.25, swap: 1.0, swap_async: Some(2.0), inline_bytes: 15.0, tracked_op: 3.0, stage: 0.0, step: 0.0 }
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -66,6 +66,28 @@ fn every_stage_after_the_first_swap_pays_the_swap_work_at_its_boundary() {
     assert!(close(o.host_time, 1.0 + 3.0 * 0.125), "host {}", o.host_time);
     let o = eval(&p, &[Retain, Swap, Retain, Swap, Retain]);
     assert!(close(o.host_time, 2.0 + 3.0 * 0.125), "host {}", o.host_time);
+}
+
+#[test]
+fn every_step_pays_the_executors_own_work_once() {
+    // `step`: the executor's work that no action causes (its inputs, its state), in every plan,
+    // all-retain too, once per step and in the first forward stage.
+    let mut p = chain(&[1.0, 2.0, 3.0], &[10, 20, 30], 0, 1e9);
+    let plain = eval(&p, &[Retain; 3]);
+    p.executor = Some(ExecutorCosts { step: 0.375, drop: 0.25, ..Default::default() });
+    for u in 0..3 {
+        p.units[u].packs = Some(2);
+    }
+    let o = eval(&p, &[Retain; 3]);
+    assert!(close(o.host_time, 0.375), "host {}", o.host_time);
+    assert!(close(o.step_time, plain.step_time + 0.375), "step {}", o.step_time);
+    let o = eval(&p, &[Recompute, Retain, Retain]);
+    assert!(close(o.host_time, 0.375 + 0.25 * 2.0), "host {}", o.host_time);
+    // in the first forward stage: the second stage starts that much later
+    let r = tensorplace_core::evaluator::evaluate(&p.graph().unwrap(), &[Retain; 3], u64::MAX, &EvalOptions::default(),
+                                                  &mut Scratch::new(3), true);
+    let starts: Vec<f64> = r.curve.iter().map(|c| c.start_time).collect();
+    assert!(close(starts[1], 1.0 + 0.375), "stage starts {starts:?}");
 }
 
 #[test]

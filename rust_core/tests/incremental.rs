@@ -281,6 +281,7 @@ fn resumed_and_bounded_moves_score_as_full_evaluations_with_retried_prefetches_a
             inline_bytes: rng.gen_range(0.0..64.0),
             tracked_op: rng.gen_range(0.0..0.3),
             stage: rng.gen_range(0.0..0.1),
+            step: rng.gen_range(0.0..0.2),
         });
         let g = p.graph().unwrap();
         let opts = random_opts(&mut rng);

@@ -102,6 +102,12 @@ class _Graph:
     tracked_host: List[float] = field(default_factory=list)  # per unit, when its segment is tracked
     glue_scope: List[Optional[Tuple[int, int]]] = field(default_factory=list)
     segment_host: float = 0.0  # per replayed segment
+    step_host: float = 0.0  # per step, whatever the plan
+
+
+def _plan_independent_time(g: _Graph) -> float:
+    """Seconds of every plan's step outside the objective: the stages and the executor's own work."""
+    return sum(g.fwd) + sum(g.bwd) + g.step_host
 
 
 def _graph(profile_text: str) -> _Graph:
@@ -158,7 +164,7 @@ def _host_costs(d: Dict[str, Any], n: int) -> Dict[str, Any]:
     scope = [None if s is None else (int(s[0]), int(s[1])) for s in d.get("glue_scope", [None] * n)]
     return {"swap_host": swap, "drop_host": [c.get("drop", 0.0) * p for p in packs],
             "tracked_host": [c.get("tracked_op", 0.0) * k for k in glue], "glue_scope": scope,
-            "segment_host": float(c.get("segment", 0.0))}
+            "segment_host": float(c.get("segment", 0.0)), "step_host": float(c.get("step", 0.0))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -877,7 +883,7 @@ def _start(g: _Graph, m: _Model, U: Dict[int, _Unit], segs: _Segments, sizes: Di
     x, res = _completion(m, fixed)
     if x is None:
         return None, None
-    return x, res["objective"] * sizes["time_unit"] + sum(g.fwd) + sum(g.bwd)
+    return x, res["objective"] * sizes["time_unit"] + _plan_independent_time(g)
 
 
 def _check_settings(method: str, time_limit: float, swap_window: int, max_segment: Optional[int], max_vars: int,
@@ -977,7 +983,7 @@ def milp_plan(
                 "build_time": build_time,
                 "gap": res["gap"],
                 "status": res["status"],
-                "model_step_time": None if res["objective"] is None else res["objective"] + sum(g.fwd) + sum(g.bwd),
+                "model_step_time": None if res["objective"] is None else res["objective"] + _plan_independent_time(g),
                 "dual_bound": res["dual_bound"],
                 "attempts": attempts,
                 "model": _model_settings(sizes),
@@ -1057,7 +1063,7 @@ def first_solve(profile_text: str, budget: int, method: str = "milp", *, time_li
     if x is not None:
         actions, starts = _decode(x, g, U, segs)
         out = json.loads(_core.evaluate(profile_text, actions, budget, prefetch_lookahead, starts if choose_starts else None))
-        rec.update(model_step_time=res["objective"] * sizes["time_unit"] + sum(g.fwd) + sum(g.bwd),
+        rec.update(model_step_time=res["objective"] * sizes["time_unit"] + _plan_independent_time(g),
                    evaluator_step_time=out["step_time"], evaluator_feasible=out["feasible"],
                    multi_unit_segments=sum(1 for col, seg in segs.cols.items() if x[col] > 0.5 and seg.e > seg.s))
     return _finite(rec)
@@ -1087,4 +1093,4 @@ def model_of_plan(profile_text: str, actions: Sequence[str], segment_starts: Opt
     chosen = [seg for col, seg in segs.cols.items() if fixed[col] > 0.5]
     for k in sizes["transient"]:
         peaks[k] += max([seg.extra.get(k, 0.0) for seg in chosen] + [0.0])
-    return {"step_time": res["objective"] * sizes["time_unit"] + sum(g.fwd) + sum(g.bwd), "stage_peaks": peaks}
+    return {"step_time": res["objective"] * sizes["time_unit"] + _plan_independent_time(g), "stage_peaks": peaks}
