@@ -311,6 +311,44 @@ def test_steady_steps_run_no_mode_and_hook_only_where_the_plan_acts() -> None:
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+def test_suspended_hooks_come_back_with_the_executors_next_step() -> None:
+    """``suspend_hooks`` takes an idle executor's module hooks off the model between steps (a plain
+    step or another executor's step then calls none of them); its next step puts them back and
+    trains exactly as before."""
+    model, x, y = make("resnet18")
+    ref = copy.deepcopy(model)
+    n = len(records(model, x))
+    planned = PlannedModule(model, cycle(n, ["retain", "swap"]), backend=CpuBackend())
+
+    def same_grads() -> None:
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
+            p.grad = q.grad = None
+        for a, b in zip(model.buffers(), ref.buffers()):
+            assert torch.equal(a, b)
+
+    try:
+        for _ in range(4):
+            loss_fn(planned(x), y).backward()
+            loss_fn(ref(x), y).backward()
+            same_grads()
+            hooked = _executor_hooks(model)
+            assert hooked > 0
+            planned.executor.suspend_hooks()
+            planned.executor.suspend_hooks()  # twice: nothing more to take off
+            assert _executor_hooks(model) == 0
+            for m in (model, ref):  # a plain step of the same model, as a timing beside it runs
+                loss_fn(m(x), y).backward()
+            same_grads()
+        # the planned steps after a suspension were steady steps with their hooks back
+        assert planned.executor.relearned == 0
+        loss_fn(planned(x), y).backward()
+        assert _executor_hooks(model) == hooked and planned.last_stats.swap_storages > 0
+    finally:
+        planned.close()
+    assert _executor_hooks(model) == 0
+
+
 def test_steady_steps_replay_aligned_segments_from_their_module_calls() -> None:
     """Issue 17: a checkpoint segment whose glue lies in its module calls (here layer1, one
     nn.Sequential call) is replayed by calling those modules again, once per segment; the steady

@@ -152,6 +152,9 @@ def test_shape_buckets_get_their_own_plans_from_the_profile(link) -> None:
             xs, ys = x[:, :tokens], y[:, :tokens]
             got, want = step(fast, params, xs, ys, k), step(ref, ref_params, xs, ys, k)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), tokens
+            # the executors share the model: only the one that ran keeps its hooks on it
+            idle = [e for e in (fast._main_executor, *fast._bucket_executors.values()) if e is not fast.executor]
+            assert not any(e._hooks for e in idle), tokens
             peak = unplanned_step_stats(fast, (xs,), loss_fn=loss_of(ys), repeats=1)["peak_bytes"]
             assert peak <= plan.budget_bytes, (tokens, peak, plan.budget_bytes)
         # made on demand, once per bucket (20 tokens went to the 32-token bucket); 64 tokens: the plan itself

@@ -670,6 +670,45 @@ def test_the_step_cost_is_fitted_to_the_models_all_retain_step(monkeypatch):
     assert q["executor"]["step"] == pytest.approx(costs["step"] / 8)
 
 
+def test_interleaved_steps_run_no_idle_executors_hooks(monkeypatch):
+    """The fit's planned modules share the model: while one module's steps are timed (the plain
+    model's too), the other executors' module hooks are off the model (an idle all-swap
+    executor's hooks slow a plain step down, and the fit then set the swap costs too low)."""
+    from tensorplace import profiler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 16)
+    plan = tp.plan(model, x, budget=2**40, method="retain", repeats=1, fit_host_costs=False)
+    planned = {k: tp.run(model, plan.replan(2**40, method=k)) for k in ("swap-all", "recompute-all")}
+    for m in planned.values():
+        m(x).sum().backward()  # the learning steps: each executor hooks the model
+    assert all(m.executor._hooks for m in planned.values())
+    seen = []
+    timed = profiler._timed_plain_step
+
+    def spy(m, args, loss_fn, clock):
+        t = timed(m, args, loss_fn, clock)  # (a planned step puts its own hooks back as it starts)
+        seen.append((m, {k: len(p.executor._hooks) for k, p in planned.items()}, _hooks_left(model)))
+        return t
+
+    monkeypatch.setattr(profiler, "_timed_plain_step", spy)
+    try:
+        times = profiler._interleaved_steps(model, planned, (x,), lambda out: out.sum(), profiler._Clock(x.device), 3)
+        assert [len(v) for v in times.values()] == [3, 3, 3]
+        assert len(seen) == 18
+        for m, hooks, total in seen:
+            if m is model:  # the plain steps: no executor's hooks at all
+                assert total == 0 and not any(hooks.values())
+            else:  # a planned module's steps: its own hooks alone
+                k = next(k for k, p in planned.items() if p is m)
+                assert hooks[k] > 0 and not any(v for j, v in hooks.items() if j != k)
+    finally:
+        for m in planned.values():
+            m.close()
+    assert _hooks_left(model) == 0
+
+
 def test_timed_steps_time_the_plain_model_and_add_up_to_its_step(monkeypatch):
     cex = _executor_module()
     plans = []

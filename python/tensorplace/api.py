@@ -357,7 +357,10 @@ class PlannedTraining(PlannedModule):
         if self.model.training and torch.is_grad_enabled():
             relation = self._check_sub_batch(args) if self.sub_batch is not None else self.check_inputs(args)
             self.memory_check.at_step_start(args)
-            self.executor = self._executor_for(args, relation)
+            ex = self._executor_for(args, relation)
+            if ex is not self.executor:  # a bucket's executor: the last one's hooks would run idle in its steps
+                self.executor.suspend_hooks()
+                self.executor = ex
         return super().forward(*args, **kwargs)
 
     def close(self) -> None:

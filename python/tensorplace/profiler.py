@@ -1691,10 +1691,17 @@ def _interleaved_steps(model: nn.Module, planned: Dict[str, nn.Module], args: Tu
     """Seconds of ``max(3, repeats)`` rounds of steps, each a plain step of ``model`` ("plain")
     then one of each planned module: interleaved, as the machine's speed moves. Each timed step
     follows an untimed one of the same module, as in training: a plain step right after an
-    all-swap step (whose copies went through the caches) took longer than plain steps do."""
+    all-swap step (whose copies went through the caches) took longer than plain steps do. The
+    planned modules' executors share ``model``: the others' module hooks are taken off before a
+    module's steps (an idle all-swap executor's hooks made the plain steps 6% slower on a
+    tiny-kernel stack, and the fit then put the swap costs too low)."""
     times: Dict[str, List[float]] = {"plain": [], **{k: [] for k in planned}}
+    executors = {k: getattr(m, "executor", None) for k, m in planned.items()}
     for _ in range(max(3, int(repeats))):
         for k, m in (("plain", model), *planned.items()):
+            for other, ex in executors.items():
+                if other != k and ex is not None:
+                    ex.suspend_hooks()
             _timed_plain_step(m, args, loss_fn, clock)
             times[k].append(_timed_plain_step(m, args, loss_fn, clock))
     return times
