@@ -1042,6 +1042,41 @@ def test_executor_costs_are_measured_once_per_device():
     assert a["drop"] > 0 and a["swap"] > 0 and a["segment"] >= 0 and a["step"] >= 0
 
 
+def test_the_calibration_times_each_plan_without_the_others_hooks(monkeypatch):
+    """The calibration's executors share its synthetic model: before each timed step, every
+    executor but the step's own has its module hooks off the model (idle hooks slowed the plain
+    step, the baseline of every cost)."""
+    from cuda_exec import calibrate
+    from cuda_exec import executor as cex
+
+    made = []
+    init = cex.Executor.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    timed = calibrate._median_steps
+    checked = []
+
+    def spy(modules, rounds, clock, before=lambda k: None):
+        def check(k):
+            before(k)
+            hooked = [ex for ex in made if ex._hooks]
+            if k in ("plain", "forward", "front"):
+                assert not hooked, k
+            else:
+                assert len(hooked) <= 1, k
+            checked.append(k)
+        return timed(modules, 2, clock, check)
+
+    monkeypatch.setattr(cex.Executor, "__init__", record)
+    monkeypatch.setattr(calibrate, "_median_steps", spy)
+    costs = calibrate.executor_costs("cpu", cached=False, blocks=4)
+    assert set(costs) == set(calibrate.COST_KEYS)
+    assert {"plain", "retain", "blocks", "swap"} <= set(checked) and made
+
+
 def test_a_replay_is_charged_on_its_nodes_start_and_a_segment_holds_each_value_once():
     # A U-Net's all-recompute plan: each replay runs at an unpack, at the start of one of its
     # stage's backward nodes, while the stage's whole backward peak (its transient and

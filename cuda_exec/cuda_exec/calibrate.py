@@ -99,14 +99,19 @@ def _counts(model: nn.Module, x: torch.Tensor) -> Tuple[List[int], List[int]]:
     return packs, glue
 
 
-def _median_steps(modules: Dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float]) -> Dict[str, float]:
+def _median_steps(modules: Dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float],
+                  before: Callable[[str], None] = lambda k: None) -> Dict[str, float]:
+    """The quickest fifth of ``rounds`` interleaved steps of each of ``modules``, ``before(k)``
+    called untimed before each step of ``k``."""
     times: Dict[str, List[float]] = {k: [] for k in modules}
     for _ in range(3):
-        for fn in modules.values():
+        for k, fn in modules.items():
+            before(k)
             fn()
     for r in range(rounds):
         items = list(modules.items())
         for k, fn in (items if r % 2 == 0 else reversed(items)):
+            before(k)
             t0 = clock()
             fn()
             times[k].append(clock() - t0)
@@ -181,7 +186,17 @@ def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, ba
         runs: Dict[str, Callable[[], None]] = {"plain": step(model), "forward": forward(model),
                                                "front": forward(front)}
         runs.update({k: step(m) for k, m in planned.items()})
-        t = _median_steps(runs, rounds, clock)
+        executors = {k: m.executor for k, m in planned.items()}
+
+        def only(k: str) -> None:
+            # the executors share the model: the others' module hooks would run idle in k's step
+            for j, ex in executors.items():
+                if j != k:
+                    ex.suspend_hooks()
+            if k in executors:
+                executors[k].resume_hooks()
+
+        t = _median_steps(runs, rounds, clock, only)
         swaps = {k: int(planned[k].last_stats.swap_storages) for k in [*backends, "swap_first"]}
     finally:
         for m in planned.values():

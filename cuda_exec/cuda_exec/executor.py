@@ -241,9 +241,7 @@ class Executor:
     def _forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         program = self._program
         if self._suspended:
-            self._suspended = False
-            if program is not None:
-                self._install(program)
+            self.resume_hooks()
         if program is not None:
             signature = self._step_signature(args, kwargs) if self.lean else None
             if signature == self._signature:
@@ -403,6 +401,13 @@ class Executor:
         if self._hooks:
             self._remove_hooks()
             self._suspended = True
+
+    def resume_hooks(self) -> None:
+        """Put back the hooks :meth:`suspend_hooks` took off (the next step does it otherwise)."""
+        if self._suspended:
+            self._suspended = False
+            if self._program is not None:
+                self._install(self._program)
 
     def _remove_hooks(self) -> None:
         self._cell[0] = None
