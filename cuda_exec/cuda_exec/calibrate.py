@@ -29,7 +29,8 @@ differ in one thing at a time:
 
 The costs go into the profile (``executor``, docs/formats.md) and the evaluator adds them to the
 stages where the work happens (docs/cost-model.md, "Host time"). Each figure is from the quickest
-fifth of interleaved rounds (what else the machine does only slows some steps down).
+fifth of interleaved rounds (what else the machine does only slows some steps down), each plan's
+steps with the other plans' executors' hooks off the shared model (idle hooks slow a step down).
 """
 
 from __future__ import annotations
