@@ -133,7 +133,7 @@ def executor_costs(device: Any = "cpu", backend: Any = None, *, blocks: int = 24
 
 def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, batch: int, rounds: int,
                     cached: bool) -> Dict[str, float]:
-    from .executor import PlannedModule
+    from .executor import PlannedModule, hooks_of_one
 
     key = (str(dev), torch.__version__, torch.get_num_threads(), type(backend).__name__,
            getattr(backend, "inline_bytes", None))
@@ -188,16 +188,8 @@ def _executor_costs(dev: torch.device, backend: Any, blocks: int, width: int, ba
                                                "front": forward(front)}
         runs.update({k: step(m) for k, m in planned.items()})
         executors = {k: m.executor for k, m in planned.items()}
-
-        def only(k: str) -> None:
-            # the executors share the model: the others' module hooks would run idle in k's step
-            for j, ex in executors.items():
-                if j != k:
-                    ex.suspend_hooks()
-            if k in executors:
-                executors[k].resume_hooks()
-
-        t = _median_steps(runs, rounds, clock, only)
+        # the executors share the model: the others' module hooks would run idle in k's step
+        t = _median_steps(runs, rounds, clock, lambda k: hooks_of_one(executors.values(), executors.get(k)))
         swaps = {k: int(planned[k].last_stats.swap_storages) for k in [*backends, "swap_first"]}
     finally:
         for m in planned.values():

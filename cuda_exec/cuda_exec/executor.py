@@ -476,6 +476,16 @@ MAX_PROGRAMS = 8
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+def hooks_of_one(executors: Iterable[Optional[Executor]], keep: Optional[Executor]) -> None:
+    """Between steps of executors that share a model (and plain steps of it, ``keep`` None): only
+    ``keep``'s module hooks on the model, the others' off (:meth:`Executor.suspend_hooks`)."""
+    for ex in executors:
+        if ex is not None and ex is not keep:
+            ex.suspend_hooks()
+    if keep is not None:
+        keep.resume_hooks()
+
+
 def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
     """What a learned step depends on in the inputs: each tensor's shape, dtype, device and
     whether it requires grad, and the other values' types (one pass over the arguments)."""

@@ -1695,13 +1695,13 @@ def _interleaved_steps(model: nn.Module, planned: Dict[str, nn.Module], args: Tu
     planned modules' executors share ``model``: the others' module hooks are taken off before a
     module's steps (an idle all-swap executor's hooks made the plain steps 6% slower on a
     tiny-kernel stack, and the fit then put the swap costs too low)."""
+    from cuda_exec.executor import hooks_of_one
+
     times: Dict[str, List[float]] = {"plain": [], **{k: [] for k in planned}}
     executors = {k: getattr(m, "executor", None) for k, m in planned.items()}
     for _ in range(max(3, int(repeats))):
         for k, m in (("plain", model), *planned.items()):
-            for other, ex in executors.items():
-                if other != k and ex is not None:
-                    ex.suspend_hooks()
+            hooks_of_one(executors.values(), executors.get(k))
             _timed_plain_step(m, args, loss_fn, clock)
             times[k].append(_timed_plain_step(m, args, loss_fn, clock))
     return times
