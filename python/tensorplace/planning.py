@@ -495,3 +495,20 @@ def lower_bound(profile: ProfileLike, state_swaps: bool = False) -> int:
 def unplanned_peak(profile: ProfileLike) -> int:
     """The predicted peak when every unit is retained (bytes)."""
     return _core.unplanned_peak(profile_json(profile))
+
+
+def without_executor(profile: ProfileLike) -> Dict[str, Any]:
+    """The profile as the model trained without tensorplace runs: no executor host costs (every
+    plan's step pays the executor's work, all-retain too; the plain model's step does not), so
+    its all-retain evaluation is the unplanned step.
+
+    >>> import tensorplace as tp
+    >>> p = dict(tp.examples.profile("plain20", batch_size=8), executor={"step": 1e-3})
+    >>> retain = ["retain"] * len(p["units"])
+    >>> planned, plain = tp.evaluate(p, retain, 2**40), tp.evaluate(without_executor(p), retain, 2**40)
+    >>> round(planned["step_time"] - plain["step_time"], 9)
+    0.001
+    """
+    d = json.loads(profile_json(profile))
+    d.pop("executor", None)
+    return d

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import examples
 from .._core import BudgetError
 from ..budget import format_bytes
-from ..planning import Plan, evaluate, plan_profile, unplanned_peak
+from ..planning import Plan, evaluate, plan_profile, unplanned_peak, without_executor
 from . import common
 
 UNIT_INTS = ("act_bytes", "output_bytes", "held_input_bytes", "fwd_transient_bytes", "bwd_transient_bytes",
@@ -127,7 +127,9 @@ def _predicted(a: argparse.Namespace, methods: List[str], label: str,
         def fits(batch: int) -> Optional[float]:
             prof = profile_at(batch)
             if method == "unplanned":
-                return evaluate(prof, ["retain"] * len(prof["units"]), memory)["step_time"] if unplanned_peak(prof) <= memory else None
+                if unplanned_peak(prof) > memory:
+                    return None
+                return evaluate(without_executor(prof), ["retain"] * len(prof["units"]), memory)["step_time"]
             try:
                 return plan_profile(prof, memory, method, iterations=a.iterations, particles=a.particles,
                                     seed=a.seed).predicted["step_time"]

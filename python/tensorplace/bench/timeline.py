@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .._core import BudgetError, PlannerError
 from ..budget import format_bytes
-from ..planning import Plan, evaluate, lower_bound, plan_profile, unplanned_peak
+from ..planning import Plan, evaluate, lower_bound, plan_profile, unplanned_peak, without_executor
 from . import common
 
 
@@ -139,7 +139,7 @@ def cmd_timeline(a: argparse.Namespace) -> int:
         print(f"no reserved-memory figure: {e}")
         planned = evaluate(prof, actions, budget, segment_starts=starts or None)
     reserved = planned.get("reserved_bytes")
-    unplanned = evaluate(prof, ["retain"] * len(prof["units"]), max(up, budget))
+    unplanned = evaluate(without_executor(prof), ["retain"] * len(prof["units"]), max(up, budget))
     stages = stage_intervals(prof, planned)
     step = max(1, len(stages) // 24)
     rows = [
