@@ -1649,9 +1649,8 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the executor's own warnings about this plan
             plan = plan_profile(profile, 2**62, "recompute-all")
-            retain = plan_profile(profile, 2**62, "retain")
             fast = run(model, plan, backend=backend, units=units_spec)
-            kept = run(model, retain, backend=backend, units=units_spec) if fit else None
+            kept = run(model, plan_profile(profile, 2**62, "retain"), backend=backend, units=units_spec) if fit else None
             try:
                 _run_step(fast, args, loss_fn)  # the executor's first step
                 _clear_grads(model)
@@ -1682,7 +1681,7 @@ def _add_replay_slack(profile: Dict[str, Any], model: nn.Module, args: Tuple[Any
         if excess > units[s].get("replay_slack_bytes", 0):
             units[s]["replay_slack_bytes"] = int(excess)
     # the executor's own work per step first: every plan's prediction has it
-    _fit_cost(profile, retain.actions, None, plain_s, retain_s, ("step",), lower=True)
+    _fit_cost(profile, ["retain"] * len(units), None, plain_s, retain_s, ("step",), lower=True)
     _fit_cost(profile, plan.actions, plan.to_dict().get("segment_starts"), plain_s, planned_s, ("drop",))
 
 
