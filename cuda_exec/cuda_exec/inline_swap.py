@@ -61,14 +61,6 @@ class InlineGroup:
         t = self.device[slot] = state.backend.copy_back([buf], [self.views[slot]])[0]
         return t
 
-    def drop(self, slot: int, state: "_StepState") -> None:
-        """Autograd let go of slot ``slot``'s saved tensor: its device bytes go now, the host
-        buffers with the group's last slot."""
-        self.device[slot] = FREED
-        self.live -= 1
-        if self.live <= 0:
-            self.free(state)
-
     def free(self, state: "_StepState") -> None:
         self.device = []
         self.views = []
@@ -80,9 +72,11 @@ class InlineGroup:
             del state.inline_groups[self.unit]
 
 
-def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, meta: ViewMeta) -> "InlineHandle":
-    """A saved tensor of unit ``owner`` over ``storage`` (``meta``: its view) swapped: a new slot
-    of the unit's group, copied out at the next stage boundary; what autograd keeps for it."""
+def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, meta: ViewMeta,
+               nbytes: int) -> "InlineHandle":
+    """A saved tensor of unit ``owner`` over ``storage`` (``meta``: its view; ``nbytes``: the
+    storage's) swapped: a new slot of the unit's group, copied out at the next stage boundary;
+    what autograd keeps for it."""
     group = state.inline_groups.get(owner)
     if group is None:
         group = state.inline_groups[owner] = InlineGroup(owner)
@@ -95,17 +89,30 @@ def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, m
     stats = state.stats
     stats.swap_storages += 1
     stats.lean_swaps += 1
-    stats.swap_bytes += storage.nbytes()
+    stats.swap_bytes += nbytes
     return InlineHandle(state, group, len(slots) - 1)
 
 
 def copy_out_saved(state: "_StepState") -> None:
     """At a stage boundary: copy out every storage saved since the last one (one backend call)."""
     groups, state.inline_open = state.inline_open, []
-    storages: List[Optional[torch.UntypedStorage]] = []
+    if len(groups) == 1:  # (mostly: one unit's storages)
+        g = groups[0]
+        device = g.device
+        c, n = g.copied, len(device)
+        storages = device[c:] if c else device
+        if FREED in storages:  # (identity first: no storage equals FREED)
+            storages = [None if st is FREED else st for st in storages]
+        g.host += state.backend.copy_out(storages)
+        g.copied = n
+        for s in range(c, n):
+            if device[s] is not FREED:
+                device[s] = None  # the model lets go of the bytes when it does
+        return
+    all_storages: List[Optional[torch.UntypedStorage]] = []
     for g in groups:
-        storages += [None if st is FREED else st for st in g.device[g.copied:]]
-    bufs = state.backend.copy_out(storages)
+        all_storages += [None if st is FREED else st for st in g.device[g.copied:]]
+    bufs = state.backend.copy_out(all_storages)
     i = 0
     for g in groups:
         device = g.device
@@ -114,7 +121,7 @@ def copy_out_saved(state: "_StepState") -> None:
         i += n - c
         for s in range(c, n):
             if device[s] is not FREED:
-                device[s] = None  # the model lets go of the bytes when it does
+                device[s] = None
         g.copied = n
 
 
@@ -169,7 +176,11 @@ class InlineHandle:
     def __del__(self) -> None:
         try:
             state = self.state
-            if not state.dead:
-                self.group.drop(self.slot, state)
+            if not state.dead:  # autograd let go: the device bytes go now, the host buffers with the group's last slot
+                g = self.group
+                g.device[self.slot] = FREED
+                g.live -= 1
+                if g.live <= 0:
+                    g.free(state)
         except Exception:  # pragma: no cover - never raise from __del__
             pass

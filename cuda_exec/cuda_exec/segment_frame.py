@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import ReplayError, StepAbortedError
+from .inline_swap import InlineHandle
 from .program import ARG_COPY, ARG_ENTRY, ARG_REGEN, AlignedSegment
 from .recorded_replay import _Attach
 from .step_state import _Entry, _mark, _profiler_enabled, _StepState, _unpack_handle
@@ -81,6 +82,12 @@ def unpack(packed: Any) -> torch.Tensor:
             return t
     elif cls is torch.Tensor or cls is torch.nn.Parameter:  # retained (weights in a span with hooks)
         return packed
+    elif cls is InlineHandle:  # a lean swap's storage, copied back by its prefetch stage
+        t = packed.group.device[packed.slot]
+        if t.__class__ is torch.Tensor:
+            state = packed.state
+            if state.backward_running and not state.dead:
+                return t
     return _unpack_handle(packed)
 
 

@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import _get_current_function_mode
 
 from .errors import PlanMismatchError
-from .inline_swap import swap_saved
+from .inline_swap import copy_out_saved, swap_saved
 from .learn import _act_code, _PlanTracker, _Table
 from .program import A_HOLD, A_HOLD_VALUE, A_RETAIN, A_SWAP, A_TRACKED_VALUE, Program
 from .segment_frame import Holder, SegmentFrame, unpack
@@ -309,7 +309,10 @@ class _SteadyStep:
             elif ev.check and self.k != ev.pack:
                 raise self._pack_mismatch(ev.pack)
             if ev.boundary:
-                self._untracked(self.boundary, u, module, args, kwargs)
+                if self.scoped:
+                    self._untracked(self.boundary, u, module, args, kwargs)
+                else:
+                    self.boundary(u, module, args, kwargs)
             if ev.arm:
                 self.k = ev.pack
                 self.hooks.__enter__()
@@ -362,8 +365,10 @@ class _SteadyStep:
 
     def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         st = self.state
-        if st.by_unit or st.inline_groups or st.swapper is not None:
+        if st.by_unit or st.swapper is not None:
             st.stage_boundary(f"fwd:{u}")
+        elif st.inline_open:  # only lean swaps so far: copying them out is all the boundary does
+            copy_out_saved(st)
         if u in self.p.post_units:
             self.post = (u, module)
         s = u - 1
@@ -451,7 +456,8 @@ class _SteadyStep:
                                     "data-dependent control flow?)")
         a = acts[k]
         if a == A_RETAIN:
-            return t.detach()  # not t: see units._kept
+            # a leaf (a parameter) as it is, as autograd keeps it; anything else detached: see units._kept
+            return t if t.is_leaf else t.detach()
         if a == A_HOLD:
             s, i = self.hold[k]  # type: ignore[misc]
             frame = self.frames[s]
@@ -465,11 +471,12 @@ class _SteadyStep:
         if a == A_SWAP:
             if self.inline[k] and t.is_cpu:  # (the general path refuses a tensor of another device)
                 storage = t.untyped_storage()
-                if storage.nbytes() <= self.inline_bytes:
+                n = storage.nbytes()
+                if n <= self.inline_bytes:
                     meta = self.metas[k]
                     if meta is None or not meta.describes(t):
                         meta = self.metas[k] = ViewMeta.of(t)
-                    return swap_saved(self.state, self.owner[k], storage, meta)
+                    return swap_saved(self.state, self.owner[k], storage, meta, n)
             return self._swap(k, t)
         if a == A_HOLD_VALUE:
             s, i, pos = self.hold[k]  # type: ignore[misc]

@@ -552,7 +552,10 @@ class _StepState:
         if stage in self.fired or self.dead:
             return
         self.fired.add(stage)
-        self.stage_boundary(f"bwd:{stage}")
+        if self.by_unit or self.swapper is not None:
+            self.stage_boundary(f"bwd:{stage}")
+        elif self.inline_open:  # only lean swaps: copying them out is all the boundary does
+            copy_out_saved(self)
         units = self.prefetch_at.get(stage, ())
         if units:
             self.stats.prefetch_stages.append(stage)
