@@ -264,9 +264,10 @@ class CpuBackend:
             self._inline_in_use[1] += nbytes
         return out
 
-    def copy_back(self, buffers: List[torch.Tensor], views: List[ViewMeta]) -> List[torch.Tensor]:
+    def copy_back(self, buffers: List[torch.Tensor], views: List[ViewMeta], give_back: bool = False) -> List[torch.Tensor]:
         """Copy host buffers of :meth:`copy_out` back now, into new device storages (torch's
-        allocator counts them from here), each as a tensor with the view of ``views`` over it."""
+        allocator counts them from here), each as a tensor with the view of ``views`` over it;
+        ``give_back``: then the buffers go back to the pool (as :meth:`give_back`, in this call)."""
         if self._error is not None or self._closed:
             self._check()
         out: List[torch.Tensor] = []
@@ -289,6 +290,8 @@ class CpuBackend:
         c = self._counters
         c["prefetches"] += len(out)
         c["prefetch_bytes"] += nbytes
+        if give_back:
+            self.give_back(buffers)
         return out
 
     def give_back(self, buffers: List[torch.Tensor]) -> None:

@@ -7,10 +7,11 @@ most the backend's ``inline_bytes``, whose copies complete inside the call (the 
 ``copy_out``/``copy_back``/``give_back``), need none of that: an :class:`InlineGroup` keeps a
 swapped unit's storages by slot; a stage boundary copies out every storage saved since the last
 one in one call (:func:`copy_out_saved`), a prefetch stage copies its units' storages back in
-one call (:func:`copy_back_units`), and a unit's host buffers go back when the last of its saved
-tensors is freed. Device memory moves as on the general path: a storage's bytes leave at the
-stage boundary after it was saved, come back at its unit's prefetch stage, and each storage's
-copy is freed when autograd lets go of its saved tensor.
+one call (:func:`copy_back_units`), which gives their host buffers back (those never copied
+back go when the last of the unit's saved tensors is freed). Device memory moves as on the
+general path: a storage's bytes leave at the stage boundary after it was saved, come back at
+its unit's prefetch stage, and each storage's copy is freed when autograd lets go of its saved
+tensor.
 
 Packs that something else may look up (a storage version saved again later, a checkpoint
 segment's argument, a tracked segment's value), units whose swap-out the plan cancels, and
@@ -45,8 +46,8 @@ class InlineGroup:
         self.device: List[Any] = []
         #: per slot, the saved tensor's view of its storage
         self.views: List[ViewMeta] = []
-        #: per slot copied out, its host buffer (None: freed before its copy); given back with
-        #: the group's last slot
+        #: per slot copied out, its host buffer (None: freed before its copy, or given back by
+        #: its copy back); the rest are given back with the group's last slot
         self.host: List[Optional[torch.Tensor]] = []
         self.copied = 0  #: slots before this one were handed to a copy out
         self.live = 0  #: slots whose saved tensor autograd still holds
@@ -96,33 +97,23 @@ def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, m
 def copy_out_saved(state: "_StepState") -> None:
     """At a stage boundary: copy out every storage saved since the last one (one backend call)."""
     groups, state.inline_open = state.inline_open, []
-    if len(groups) == 1:  # (mostly: one unit's storages)
-        g = groups[0]
-        device = g.device
-        c, n = g.copied, len(device)
-        storages = device[c:] if c else device
-        if FREED in storages:  # (identity first: no storage equals FREED)
-            storages = [None if st is FREED else st for st in storages]
-        g.host += state.backend.copy_out(storages)
-        g.copied = n
-        for s in range(c, n):
-            if device[s] is not FREED:
-                device[s] = None  # the model lets go of the bytes when it does
-        return
-    all_storages: List[Optional[torch.UntypedStorage]] = []
+    storages: List[Any] = []
     for g in groups:
-        all_storages += [None if st is FREED else st for st in g.device[g.copied:]]
-    bufs = state.backend.copy_out(all_storages)
+        c = g.copied
+        storages += g.device[c:] if c else g.device
+    if FREED in storages:  # (identity first: no storage equals FREED)
+        storages = [None if st is FREED else st for st in storages]
+    bufs = state.backend.copy_out(storages)
     i = 0
     for g in groups:
         device = g.device
         c, n = g.copied, len(device)
         g.host += bufs[i:i + n - c]
         i += n - c
+        g.copied = n
         for s in range(c, n):
             if device[s] is not FREED:
-                device[s] = None
-        g.copied = n
+                device[s] = None  # the model lets go of the bytes when it does
 
 
 def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
@@ -139,14 +130,15 @@ def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
         device, host = g.device, g.host
         for s in range(g.copied):
             if device[s] is None:  # copied out, not freed
-                todo.append((device, s))
+                todo.append((device, s, host))
                 bufs.append(host[s])  # type: ignore[arg-type]
                 views.append(g.views[s])
     if not bufs:
         return
-    back = state.backend.copy_back(bufs, views)
-    for (device, s), st in zip(todo, back):
+    back = state.backend.copy_back(bufs, views, give_back=True)  # (the device copy is all the step needs)
+    for (device, s, host), st in zip(todo, back):
         device[s] = st
+        host[s] = None
     state.stats.prefetches += len(back)
 
 

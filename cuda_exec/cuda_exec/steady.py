@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
@@ -214,6 +213,14 @@ class _ScopedTracker(_PlanTracker):
 _HOOK_KEY = "tensorplace.prefetch"
 
 
+class _Hooks(dict):
+    """A tensor's ``_backward_hooks`` as the executor makes them: a dict that a later
+    ``Tensor.register_hook`` can refer to weakly (its ``RemovableHandle``), as to the OrderedDict
+    it makes itself, which takes 0.2 us longer to make."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _on_gradient(a: torch.Tensor, fire: Any) -> None:
     """Call ``fire`` when ``a``'s gradient has arrived (before the node that made ``a`` runs), as
     ``a.register_hook(fire)`` would, without its ``RemovableHandle`` (nobody removes it: the
@@ -221,7 +228,8 @@ def _on_gradient(a: torch.Tensor, fire: Any) -> None:
     against 0.45, timeit), once per prefetch stage and step."""
     hooks = a._backward_hooks
     if hooks is None:
-        a._backward_hooks = OrderedDict(((_HOOK_KEY, fire),))  # (Tensor.register_hook's own type)
+        hooks = a._backward_hooks = _Hooks()
+        hooks[_HOOK_KEY] = fire
         a.grad_fn._register_hook_dict(a)
     else:
         first = hooks.get(_HOOK_KEY)
