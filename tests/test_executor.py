@@ -10,7 +10,7 @@ import gc
 import time
 import warnings
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -254,6 +254,36 @@ def test_the_lean_swap_path_trains_exactly_and_holds_what_the_general_path_holds
         peaks.append(_step_peak(m, x, y))
         m.close()
     assert peaks[0] == peaks[1], peaks
+
+
+class _InUseAfterCopyBack(CpuBackend):
+    """Notes the host buffers in use after each copy back, and whether the copied-back tensors
+    were alive then (autograd still held them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after: List[Tuple[int, bool]] = []
+
+    def copy_back(self, buffers: List[torch.Tensor], views: Any, give_back: bool = False) -> List[torch.Tensor]:
+        out = super().copy_back(buffers, views, give_back=give_back)
+        self.after.append((self.stats().buffers_in_use, give_back))
+        return out
+
+
+def test_a_prefetch_stage_gives_its_host_buffers_back_when_it_copies_them_back() -> None:
+    """The lean path needs a storage's host buffer only until its copy back: the prefetch stage
+    gives it back then (not when autograd frees the saved tensor, a stage later or more), so
+    after the backward's last prefetch stage no host buffer is in use, while the tensors it
+    copied back still wait for their unit's backward."""
+    be = _InUseAfterCopyBack()
+    planned = assert_same_training("gpt", PLANS["swap"], backend=be)
+    stats = planned.last_stats
+    assert stats.lean_swaps > 0 and stats.unscheduled_fetches == 0
+    steady = be.after[-len(stats.prefetch_stages):]  # the last step's prefetch stages, in order
+    assert all(give for _, give in steady)
+    in_use = [n for n, _ in steady]
+    assert in_use == sorted(in_use, reverse=True) and in_use[-1] == 0, in_use
+    assert be.stats().buffers_in_use == 0
 
 
 def test_a_lean_swap_without_a_scheduled_prefetch_is_fetched_when_needed() -> None:
