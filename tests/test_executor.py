@@ -1240,11 +1240,11 @@ class FailingBackend(CpuBackend):
         self.fail_at = fail_at
         original = getattr(self, method)
 
-        def failing(*args: object) -> object:
+        def failing(*args: object, **kwargs: object) -> object:
             self.calls += 1
             if self.calls == self.fail_at:
                 raise torch.OutOfMemoryError("injected: out of memory")
-            return original(*args)
+            return original(*args, **kwargs)
 
         setattr(self, method, failing)
 

@@ -6,10 +6,11 @@ torch's allocator on CPU). Copies are asynchronous and run in FIFO order on one 
 cost model's copy stream, docs/cost-model.md).
 
 A backend whose small copies complete on the caller's thread (the CPU backend, up to its
-``inline_bytes``) may also have ``copy_out(storages) -> buffers``, ``copy_back(buffers, views)
--> tensors`` (each buffer's bytes in a new device storage, as the tensor ``views`` describes:
-units.ViewMeta) and ``give_back(buffers)``: a stage's storages copied at once, with no handle
-per storage (the executor's lean swap path, inline_swap.py).
+``inline_bytes``) may also have ``copy_out(storages) -> buffers``, ``copy_back(buffers, views,
+give_back=False) -> tensors`` (each buffer's bytes in a new device storage, as the tensor
+``views`` describes: units.ViewMeta; ``give_back``: then the buffers are given back) and
+``give_back(buffers)``: a stage's storages copied at once, with no handle per storage (the
+executor's lean swap path, inline_swap.py).
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ def unpack(packed: Any) -> torch.Tensor:
     elif cls is torch.Tensor or cls is torch.nn.Parameter:  # retained (weights in a span with hooks)
         return packed
     elif cls is InlineHandle:  # a lean swap's storage, copied back by its prefetch stage
-        t = packed.group.device[packed.slot]
-        if t.__class__ is torch.Tensor:
+        t = packed.t
+        if t is not None:
             state = packed.state
             if state.backward_running and not state.dead:
                 return t

@@ -14,7 +14,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import ReplayError, StepAbortedError, StepStats
-from .inline_swap import InlineGroup, copy_back_units, copy_out_saved
+from .inline_swap import InlineHandle, copy_back_units, copy_out_saved, release_all
 from .state_swap import StateSwapper
 from .units import ValueRec, ViewMeta, empty_tensor
 from .verify import check, note_out_of_memory
@@ -370,10 +370,10 @@ class _StepState:
         self._warned = False
         self.kept: Set[str] = set()  #: stage labels whose swap deadlines were kept
         self.unqueued: List["_Entry"] = []  #: swapped storages whose copy waits for a stage boundary
-        #: steady steps' lean swaps (inline_swap.py): per unit its group, and the groups with
-        #: storages whose copy out waits for the next stage boundary
-        self.inline_groups: Dict[int, InlineGroup] = {}
-        self.inline_open: List[InlineGroup] = []
+        #: steady steps' lean swaps (inline_swap.py), weakly: per unit its handles, and the
+        #: handles whose copy out waits for the next stage boundary
+        self.inline_units: Dict[int, List["weakref.ReferenceType[InlineHandle]"]] = {}
+        self.inline_open: List["weakref.ReferenceType[InlineHandle]"] = []
         self.finished = False  #: a backward of this step ran to its end
         #: a failed step also removes the executor's unit hooks (the next step re-learns)
         self.on_abort = ex._uninstall
@@ -440,10 +440,7 @@ class _StepState:
         self.entries.clear()
         self.swapped.clear()
         self.by_unit.clear()
-        for g in list(self.inline_groups.values()):
-            g.free(self)
-        self.inline_groups.clear()
-        self.inline_open = []
+        release_all(self)
         from .recorded_replay import _InputSlot
 
         for rt in self.runtimes.values():
@@ -559,7 +556,7 @@ class _StepState:
         units = self.prefetch_at.get(stage, ())
         if units:
             self.stats.prefetch_stages.append(stage)
-            if self.inline_groups:
+            if self.inline_units:
                 copy_back_units(self, units)
             by_unit = self.by_unit
             if not by_unit:  # every swap took the lean path
