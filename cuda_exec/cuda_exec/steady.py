@@ -482,7 +482,8 @@ class _SteadyStep:
                 n = storage.nbytes()
                 if n <= self.inline_bytes:
                     meta = self.metas[k]
-                    if meta is None or not meta.describes(t):
+                    if (meta is None or t.dtype is not meta.dtype or t.storage_offset() != meta.offset
+                            or t.shape != meta.size or t.stride() != meta.stride):  # (ViewMeta.describes, inlined)
                         meta = self.metas[k] = ViewMeta.of(t)
                     return swap_saved(self.state, self.owner[k], storage, meta, n)
             return self._swap(k, t)
