@@ -286,6 +286,42 @@ def test_a_prefetch_stage_gives_its_host_buffers_back_when_it_copies_them_back()
     assert be.stats().buffers_in_use == 0
 
 
+class _DiscardedSave(nn.Module):
+    """A branch whose saved tensor (sigmoid's output) autograd lets go of in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x)) + torch.sigmoid(self.b(x)).detach())
+
+
+def test_a_lean_swap_autograd_lets_go_of_in_the_forward_is_never_copied() -> None:
+    """The step reaches its lean swaps weakly: a saved tensor autograd lets go of before its
+    stage boundary takes its device bytes with it and is not copied out (nor back), and the
+    steps train as the plain model."""
+    torch.manual_seed(0)
+    model, x = _DiscardedSave(), torch.randn(8, 16)
+    recs = records(model, x)
+    acts = ["swap"] * len(recs)
+    plan = {"format": "tensorplace.plan", "version": 1, "units": [r.name for r in recs], "actions": acts,
+            "prefetch": schedule(recs, acts, 1)}
+    be = CpuBackend()
+    ref, planned = copy.deepcopy(model), PlannedModule(copy.deepcopy(model), plan, backend=be)
+    for _ in range(3):
+        before = be.stats()
+        planned(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        after = be.stats()
+    grads = [(p.grad, q.grad) for p, q in zip(planned.parameters(), ref.parameters())]
+    assert all(torch.equal(g, h) if h is not None else g is None for g, h in grads)  # (b's: none, detached)
+    stats = planned.last_stats
+    assert stats.lean_swaps == stats.swap_storages == 3, stats  # (each unit's input; sigmoid's output)
+    assert after.offloads - before.offloads == after.prefetches - before.prefetches == 2, (before, after)
+    assert after.buffers_in_use == 0
+
+
 def test_a_lean_swap_without_a_scheduled_prefetch_is_fetched_when_needed() -> None:
     planned = assert_same_training("gpt", PLANS["swap"], prefetch_ahead=None)
     stats = planned.last_stats
