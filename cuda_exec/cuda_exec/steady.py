@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import _get_current_function_mode
 
 from .errors import PlanMismatchError
-from .inline_swap import copy_out_saved, swap_saved
+from .inline_swap import swap_saved
 from .learn import _act_code, _PlanTracker, _Table
 from .program import A_HOLD, A_HOLD_VALUE, A_RETAIN, A_SWAP, A_TRACKED_VALUE, Program
 from .segment_frame import Holder, SegmentFrame, unpack
@@ -373,10 +373,7 @@ class _SteadyStep:
 
     def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         st = self.state
-        if st.by_unit or st.swapper is not None:
-            st.stage_boundary(f"fwd:{u}")
-        elif st.inline_open:  # only lean swaps so far: copying them out is all the boundary does
-            copy_out_saved(st)
+        st.stage_start("fwd", u)
         if u in self.p.post_units:
             self.post = (u, module)
         s = u - 1
@@ -482,8 +479,7 @@ class _SteadyStep:
                 n = storage.nbytes()
                 if n <= self.inline_bytes:
                     meta = self.metas[k]
-                    if (meta is None or t.dtype is not meta.dtype or t.storage_offset() != meta.offset
-                            or t.shape != meta.size or t.stride() != meta.stride):  # (ViewMeta.describes, inlined)
+                    if meta is None or not meta.describes(t):
                         meta = self.metas[k] = ViewMeta.of(t)
                     return swap_saved(self.state, self.owner[k], storage, meta, n)
             return self._swap(k, t)

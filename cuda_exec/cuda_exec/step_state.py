@@ -507,6 +507,14 @@ class _StepState:
             # after the deadlines: the model lets swap-outs leave before a prefetch allocates
             self.swapper.at_stage(label)
 
+    def stage_start(self, kind: str, index: int) -> None:
+        """The boundary before stage ``kind:index`` of a steady step (its label made only where
+        needed): with only lean swaps so far, copying them out is all a boundary does."""
+        if self.by_unit or self.swapper is not None:
+            self.stage_boundary(f"{kind}:{index}")
+        elif self.inline_open:
+            copy_out_saved(self)
+
     def _keep_deadlines(self, label: str) -> None:
         units = self.swap_deadlines.get(label)
         if not units or label in self.kept:
@@ -549,10 +557,7 @@ class _StepState:
         if stage in self.fired or self.dead:
             return
         self.fired.add(stage)
-        if self.by_unit or self.swapper is not None:
-            self.stage_boundary(f"bwd:{stage}")
-        elif self.inline_open:  # only lean swaps: copying them out is all the boundary does
-            copy_out_saved(self)
+        self.stage_start("bwd", stage)
         units = self.prefetch_at.get(stage, ())
         if units:
             self.stats.prefetch_stages.append(stage)
