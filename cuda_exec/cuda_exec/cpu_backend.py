@@ -275,10 +275,7 @@ class CpuBackend:
         move = ctypes.memmove
         for b, v in zip(buffers, views):
             n = b.numel()
-            d = v._dense  # (dense_bytes(), once known)
-            if d < 0:
-                d = v.dense_bytes()
-            if v.offset == 0 and d == n:
+            if v.offset == 0 and v.dense_bytes() == n:
                 t = torch.empty_strided(v.size, v.stride, dtype=v.dtype)
                 move(t.data_ptr(), b.data_ptr(), n)
             else:

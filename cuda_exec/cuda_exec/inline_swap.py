@@ -69,7 +69,8 @@ class InlineHandle:
         return t
 
     def release(self) -> None:
-        """Let go of the device bytes and give the host buffer back (a failed step)."""
+        """Let go of the device bytes and give the host buffer back (a failed step, a handle
+    autograd let go of before its copy back)."""
         self.storage = None
         self.t = None
         buf, self.buf = self.buf, None
@@ -77,10 +78,9 @@ class InlineHandle:
             self.state.backend.give_back([buf])
 
     def __del__(self) -> None:
-        buf = self.buf
-        if buf is not None:  # autograd let go before its copy back: the host buffer goes back
+        if self.buf is not None:  # autograd let go before its copy back: the host buffer goes back
             try:
-                self.state.backend.give_back([buf])
+                self.release()
             except Exception:  # pragma: no cover - never raise from __del__
                 pass
 
@@ -124,9 +124,9 @@ def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
     """At a prefetch stage: copy back the storages of ``units`` still needed and give their host
     buffers back (one backend call); those not copied out yet are still on the device."""
     handles: List[InlineHandle] = []
-    by_unit = state.inline_units
+    inline_units = state.inline_units
     for u in units:
-        refs = by_unit.get(u)
+        refs = inline_units.get(u)
         if refs:
             for r in refs:
                 h = r()

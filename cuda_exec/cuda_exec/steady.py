@@ -317,10 +317,7 @@ class _SteadyStep:
             elif ev.check and self.k != ev.pack:
                 raise self._pack_mismatch(ev.pack)
             if ev.boundary:
-                if self.scoped:
-                    self._untracked(self.boundary, u, module, args, kwargs)
-                else:
-                    self.boundary(u, module, args, kwargs)
+                self._untracked(self.boundary, u, module, args, kwargs)
             if ev.arm:
                 self.k = ev.pack
                 self.hooks.__enter__()
