@@ -1514,6 +1514,41 @@ def test_cpu_backend_copies_a_stages_storages_out_and_back_at_once(host: str) ->
         be.copy_out([srcs[0].untyped_storage()])
 
 
+@pytest.mark.parametrize("host", ["numpy", "mmap"])
+def test_cpu_backend_keeps_a_whole_contiguous_views_host_copy_in_its_shape(host: str) -> None:
+    """copy_out with the views to copy back: a storage that its view covers as a whole contiguous
+    tensor gets a host buffer of the view's shape (copied back by one clone), anything else (a
+    view of part of its storage, a transposed one, uint8) a buffer of bytes; each comes back as
+    the same view over a new storage of the same bytes, and both kinds are pooled (by shape, by
+    size), counted in bytes and reused."""
+    be = CpuBackend(host=host)
+    ts = [torch.randn(8, 32), torch.randn(8, 1), torch.randn(4, 6)[:, :3], torch.randn(6, 4).t(),
+          torch.randn(1, 8).t(), torch.randint(0, 255, (16,), dtype=torch.uint8)]
+    views = [ViewMeta.of(t) for t in ts]
+    assert [v.shape_key() for v in views] == [(torch.float32, (8, 32)), (torch.float32, (8, 1))] + [None] * 4
+    want = [t.clone() for t in ts]
+    bufs = be.copy_out([t.untyped_storage() for t in ts], views)
+    assert [(b.dtype, tuple(b.shape)) for b in bufs[:2]] == [(torch.float32, (8, 32)), (torch.float32, (8, 1))]
+    assert all(b.dtype is torch.uint8 and b.dim() == 1 for b in bufs[2:])
+    nbytes = sum(t.untyped_storage().nbytes() for t in ts)
+    assert be.stats().bytes_in_use == nbytes
+    for t in ts:
+        t.untyped_storage().fill_(0)  # the device bytes are free to go once copied out
+    back = be.copy_back(bufs, views, give_back=True)
+    for t, w, v, b, src in zip(back, want, views, bufs, ts):
+        assert torch.equal(t, w) and ViewMeta.of(t) == v
+        assert t.untyped_storage().nbytes() == src.untyped_storage().nbytes() and t.data_ptr() != b.data_ptr()
+    st = be.stats()
+    assert (st.buffers_in_use, st.bytes_in_use, st.buffers_pooled, st.bytes_pooled) == (0, 0, 6, nbytes)
+    assert st.prefetch_bytes == st.offload_bytes == nbytes
+    again = be.copy_out([ts[0].untyped_storage(), ts[2].untyped_storage()], [views[0], views[2]])
+    assert again[0] is bufs[0] and any(again[1] is b for b in bufs[2:5])  # (three of 96 bytes)
+    be.give_back(again)  # (what a failed step does: a shaped buffer back without its view)
+    st = be.stats()
+    assert (st.buffers_in_use, st.bytes_in_use, st.buffers_pooled, st.bytes_pooled) == (0, 0, 6, nbytes)
+    assert be.copy_out([ts[0].untyped_storage()], [views[0]])[0] is bufs[0]
+
+
 def test_cpu_backend_mmap_host() -> None:
     be = CpuBackend(host="mmap")
     src = torch.randint(0, 255, (4096,), dtype=torch.uint8)

@@ -162,6 +162,11 @@ class Executor:
         for stage_label, unit in swap_deadlines:
             self.swap_deadlines[str(stage_label)].append(int(unit))
         self.swap_deadlines = dict(self.swap_deadlines)
+        #: "fwd" / "bwd" -> the stages of that kind with a swap deadline (a steady step's boundary
+        #: asks without making the label)
+        self.deadline_stages: Dict[str, FrozenSet[int]] = {
+            kind: frozenset(int(label[4:]) for label in self.swap_deadlines if label.startswith(kind + ":"))
+            for kind in ("fwd", "bwd")}
         self.actions = [_action_name(a) for a in actions]
         #: per unit, the first unit of the run of consecutive recomputed units containing it
         self.run_start = run_starts(self.actions, segment_starts)
@@ -312,7 +317,7 @@ class Executor:
             for ref in rt.seg.inputs:
                 slots.setdefault((run, id(ref.value)), ref.slot)
         n = len(learn.pack_start)
-        fwd_deadline = {int(label[4:]) for label in self.swap_deadlines if label.startswith("fwd:")}
+        fwd_deadline = self.deadline_stages["fwd"]
         first_swap = n
         for k, a in enumerate(learn.acts):
             if a == SWAP:

@@ -114,7 +114,7 @@ def copy_out_saved(state: "_StepState") -> None:
             handles.append(h)
     if not handles:
         return
-    bufs = state.backend.copy_out([h.storage for h in handles])
+    bufs = state.backend.copy_out([h.storage for h in handles], [h.meta for h in handles])
     for h, b in zip(handles, bufs):
         h.buf = b
         h.storage = None  # the model lets go of the bytes when it does
@@ -124,17 +124,23 @@ def copy_back_units(state: "_StepState", units: Iterable[int]) -> None:
     """At a prefetch stage: copy back the storages of ``units`` still needed and give their host
     buffers back (one backend call); those not copied out yet are still on the device."""
     handles: List[InlineHandle] = []
+    bufs: List[torch.Tensor] = []
+    metas: List[ViewMeta] = []
     inline_units = state.inline_units
     for u in units:
         refs = inline_units.get(u)
         if refs:
             for r in refs:
                 h = r()
-                if h is not None and h.buf is not None:
-                    handles.append(h)
+                if h is not None:
+                    b = h.buf
+                    if b is not None:
+                        handles.append(h)
+                        bufs.append(b)
+                        metas.append(h.meta)
     if not handles:
         return
-    back = state.backend.copy_back([h.buf for h in handles], [h.meta for h in handles], give_back=True)
+    back = state.backend.copy_back(bufs, metas, give_back=True)
     for h, t in zip(handles, back):
         h.t = t
         h.buf = None

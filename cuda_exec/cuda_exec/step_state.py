@@ -329,6 +329,7 @@ class _StepState:
         self.verify = ex.verify
         self.prefetch_at = ex.prefetch_at
         self.swap_deadlines = ex.swap_deadlines
+        self.deadline_stages = ex.deadline_stages
         self.run_start = ex.run_start
         self.stats = StepStats()
         #: swap entries by ValueRec (full steps) or by their first pack (steady steps)
@@ -508,12 +509,19 @@ class _StepState:
             self.swapper.at_stage(label)
 
     def stage_start(self, kind: str, index: int) -> None:
-        """The boundary before stage ``kind:index`` of a steady step (its label made only where
-        needed): with only lean swaps so far, copying them out is all a boundary does."""
-        if self.by_unit or self.swapper is not None:
+        """The boundary before stage ``kind:index`` of a steady step. Its label is made, and
+        :meth:`stage_boundary` run, only where a copy waits to be queued, the stage has a swap
+        deadline or a state swapper runs; elsewhere a boundary copies the lean swaps out and
+        polls the general path's copies (none: only lean swaps so far), nothing else."""
+        if self.swapper is not None or self.unqueued or index in self.deadline_stages[kind]:
             self.stage_boundary(f"{kind}:{index}")
-        elif self.inline_open:
+            return
+        if self.inline_open:
             copy_out_saved(self)
+        if self.by_unit:
+            poll = self._poll
+            if poll is not None:
+                poll()
 
     def _keep_deadlines(self, label: str) -> None:
         units = self.swap_deadlines.get(label)

@@ -211,7 +211,7 @@ class ViewMeta:
     never changed once made. A class with slots, not a frozen dataclass, which takes twice as long
     to make: one is made at every saved tensor the executor swaps or drops."""
 
-    __slots__ = ("size", "stride", "offset", "dtype", "_dense")
+    __slots__ = ("size", "stride", "offset", "dtype", "_dense", "_shape")
 
     def __init__(self, size: Tuple[int, ...], stride: Tuple[int, ...], offset: int, dtype: torch.dtype) -> None:
         self.size = size
@@ -219,6 +219,7 @@ class ViewMeta:
         self.offset = offset
         self.dtype = dtype
         self._dense = -1  #: dense_bytes(), once asked (a cache: not part of what the view is)
+        self._shape: Any = _UNASKED  #: shape_key(), once asked (a cache too)
 
     def _key(self) -> Tuple[Any, ...]:
         return (self.size, self.stride, self.offset, self.dtype)
@@ -254,6 +255,29 @@ class ViewMeta:
             d = 0 if 0 in self.size else (1 + sum((n - 1) * s for n, s in zip(self.size, self.stride)))
             d = self._dense = d * self.dtype.itemsize
         return d
+
+    def shape_key(self) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+        """``(dtype, size)`` where this view is a whole contiguous tensor (offset 0, the strides of
+        ``torch.empty(size)``, at least one element) of a dtype other than ``uint8``; else None.
+        A copy of such a tensor can be kept as a tensor of that shape (the CPU backend's host
+        copies: its ``clone()`` is the copy back)."""
+        k = self._shape
+        if k is _UNASKED:
+            k = None
+            if self.offset == 0 and self.dtype is not torch.uint8 and 0 not in self.size:
+                expect = 1
+                for n, s in zip(reversed(self.size), reversed(self.stride)):
+                    if s != expect:
+                        break
+                    expect *= n
+                else:
+                    k = (self.dtype, self.size)
+            self._shape = k
+        return k
+
+
+#: ``ViewMeta._shape`` before ``shape_key()`` was asked
+_UNASKED: Any = object()
 
 
 #: an empty tensor per (dtype, device), whose ``new()`` makes another
