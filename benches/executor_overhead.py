@@ -147,7 +147,8 @@ BREAKDOWN = [
     ("stage boundary", "cuda_exec.step_state", "_StepState", "stage_boundary"),
     ("prefetch stage", "cuda_exec.step_state", "_StepState", "issue_prefetches"),
     ("swap entry free", "cuda_exec.step_state", "_Entry", "free"),
-    ("lean swap fetch", "cuda_exec.inline_swap", "InlineHandle", "unpack"),  # (one not prefetched)
+    # (a backward stage's first lean unpack, which starts the stage; or one not prefetched)
+    ("lean swap unpack", "cuda_exec.inline_swap", "InlineHandle", "unpack"),
     ("lean swap free", "cuda_exec.inline_swap", "InlineHandle", "__del__"),
     ("segment replay", "cuda_exec.segment_frame", "SegmentFrame", "replay"),
 ] + [(f"backend.{name}", None, None, name) for name in

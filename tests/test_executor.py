@@ -256,6 +256,32 @@ def test_the_lean_swap_path_trains_exactly_and_holds_what_the_general_path_holds
     assert peaks[0] == peaks[1], peaks
 
 
+@pytest.mark.parametrize("name", ["resnet18", "gpt"])
+def test_a_lean_swap_stage_starts_at_its_first_unpack_without_a_gradient_hook(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward stage whose unit's last saved tensor is a lean swap starts when its backward
+    first unpacks one (steady._unpack_starts), not from a gradient hook registered in the
+    forward: a steady step hooks only the other stages' gradients, and every stage still issues
+    its copies back, in the same order as the general path's stages (that test: same stages)."""
+    import cuda_exec.steady as steady
+
+    planned = assert_same_training(name, PLANS["swap"])
+    program = planned.executor._program
+    started = program.unpack_started
+    assert started and started <= set(planned.executor.prefetch_at)
+    assert {s for s in program.unpack_starts if s >= 0} == started
+    hooked: List[int] = []
+    on_gradient = steady._on_gradient
+    monkeypatch.setattr(steady, "_on_gradient", lambda a, fire: (hooked.append(fire.stage), on_gradient(a, fire)))
+    model, x, y = make(name)
+    loss_fn(planned(x), y).backward()
+    stats = planned.last_stats
+    assert hooked and not started & set(hooked), (sorted(started), hooked)
+    assert stats.unscheduled_fetches == 0 and stats.prefetches == stats.swap_storages and stats.lean_swaps
+    assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
+    assert started <= set(stats.prefetch_stages)
+
+
 class _InUseAfterCopyBack(CpuBackend):
     """Notes the host buffers in use after each copy back, and whether the copied-back tensors
     were alive then (autograd still held them)."""

@@ -38,21 +38,27 @@ class InlineHandle:
     until the stage boundary copies it out, then its host buffer until its unit's prefetch stage
     copies it back, then the saved tensor."""
 
-    __slots__ = ("state", "unit", "storage", "buf", "t", "meta", "__weakref__")
+    __slots__ = ("state", "unit", "storage", "buf", "t", "meta", "starts", "__weakref__")
 
-    def __init__(self, state: "_StepState", unit: int, storage: torch.UntypedStorage, meta: ViewMeta) -> None:
+    def __init__(self, state: "_StepState", unit: int, storage: torch.UntypedStorage, meta: ViewMeta,
+                 starts: int) -> None:
         self.state = state
         self.unit = unit
         self.storage: Optional[torch.UntypedStorage] = storage
         self.buf: Optional[torch.Tensor] = None
         self.t: Optional[torch.Tensor] = None
         self.meta = meta
+        self.starts = starts  #: the backward stage its first unpack starts, or -1 (steady._unpack_starts)
 
     def unpack(self) -> torch.Tensor:
-        """The saved tensor (the unpack hook returns ``t`` itself once copied back)."""
+        """The saved tensor (the unpack hook returns ``t`` itself once copied back and its stage
+        started)."""
         state = self.state
         if state.dead:
             state.check_alive()
+        s = self.starts
+        if s >= 0 and s not in state.fired:
+            state.issue_prefetches(s)  # the stage starts here: its copies back, this one's among them
         t = self.t
         if t is not None:
             return t
@@ -86,10 +92,11 @@ class InlineHandle:
 
 
 def swap_saved(state: "_StepState", owner: int, storage: torch.UntypedStorage, meta: ViewMeta,
-               nbytes: int) -> InlineHandle:
+               nbytes: int, starts: int = -1) -> InlineHandle:
     """A saved tensor of unit ``owner`` over ``storage`` (``meta``: its view; ``nbytes``: the
-    storage's) swapped: copied out at the next stage boundary; what autograd keeps for it."""
-    h = InlineHandle(state, owner, storage, meta)
+    storage's) swapped: copied out at the next stage boundary; what autograd keeps for it
+    (``starts``: the backward stage its first unpack starts, or -1)."""
+    h = InlineHandle(state, owner, storage, meta, starts)
     ref = weakref.ref(h)
     state.inline_open.append(ref)
     refs = state.inline_units.get(owner)
@@ -108,13 +115,17 @@ def copy_out_saved(state: "_StepState") -> None:
     """At a stage boundary: copy out every storage saved since the last one (one backend call)."""
     refs, state.inline_open = state.inline_open, []
     handles: List[InlineHandle] = []
+    storages: List[torch.UntypedStorage] = []
+    metas: List[ViewMeta] = []
     for r in refs:
         h = r()
         if h is not None:  # (else autograd let go of it: its bytes went with it)
             handles.append(h)
+            storages.append(h.storage)  # type: ignore[arg-type]
+            metas.append(h.meta)
     if not handles:
         return
-    bufs = state.backend.copy_out([h.storage for h in handles], [h.meta for h in handles])
+    bufs = state.backend.copy_out(storages, metas)
     for h, b in zip(handles, bufs):
         h.buf = b
         h.storage = None  # the model lets go of the bytes when it does

@@ -86,7 +86,8 @@ def unpack(packed: Any) -> torch.Tensor:
         t = packed.t
         if t is not None:
             state = packed.state
-            if state.backward_running and not state.dead:
+            s = packed.starts
+            if state.backward_running and not state.dead and (s < 0 or s in state.fired):
                 return t
     return _unpack_handle(packed)
 

@@ -53,6 +53,34 @@ def _inline_packs(p: Program, st: _StepState) -> List[bool]:
             and tb.owner[k] not in cancelled for k, a in enumerate(p.acts)]
 
 
+def _unpack_starts(p: Program, st: _StepState, inline: List[bool]) -> Tuple[List[int], FrozenSet[int]]:
+    """Per pack: the backward stage that the first unpack of its lean swap starts (-1: none); and
+    those stages. Backward stage u starts when unit u's backward first needs a saved tensor (the
+    same moment as the gradient of its output, less the glue between) where the last tensor u's
+    forward saves, the first its backward unpacks, is a lean swap: a flag per unpack instead of a
+    gradient hook per stage (registered in the forward, called through autograd's hook machinery).
+    Stages with a swap deadline, and every stage where a state swapper runs, keep their gradient
+    hook: their boundary waits or copies at the stage's start. Either trigger starts a stage
+    once (``_StepState.fired``), so a stage whose lean unpack never comes (a storage too large
+    for the lean path after all, a saved tensor autograd lets go of) is only late: its copies
+    back are made when needed."""
+    n = len(p.acts)
+    starts = [-1] * n
+    if st.swapper is not None or not any(inline):
+        return starts, frozenset()
+    bounds = list(p.table.pack_start) + [n]
+    no_hook = set()
+    for u in range(len(bounds) - 1):
+        lo, hi = bounds[u], bounds[u + 1]
+        if hi <= lo or not inline[hi - 1] or u not in st.prefetch_at or u in st.deadline_stages["bwd"]:
+            continue
+        no_hook.add(u)
+        for k in range(lo, hi):
+            if inline[k]:
+                starts[k] = u
+    return starts, frozenset(no_hook)
+
+
 class _ScopedTracker(_PlanTracker):
     """The tracker of a steady step of a plan with recomputed units: on (TorchFunctionMode,
     segment recording, ownership at every pack) only from a recomputed unit's start to the end of
@@ -268,7 +296,7 @@ class _SteadyStep:
     run the tracker (:class:`_ScopedTracker`)."""
 
     __slots__ = ("ex", "state", "p", "c", "k", "armed", "hooks", "post", "hooked", "tracker", "scoped", "frames",
-                 "acts", "hold", "verify", "metas", "inline", "inline_bytes", "owner")
+                 "acts", "hold", "verify", "metas", "inline", "inline_bytes", "owner", "starts", "unpack_started")
 
     def __init__(self, ex: "Executor", state: _StepState, program: Program) -> None:
         self.ex = ex
@@ -292,9 +320,12 @@ class _SteadyStep:
         inline = program.inline
         if inline is None:
             inline = program.inline = _inline_packs(program, state)
+            program.unpack_starts, program.unpack_started = _unpack_starts(program, state, inline)
         self.inline = inline
         self.inline_bytes: int = state.inline_bytes
         self.owner = program.table.owner
+        self.starts = program.unpack_starts
+        self.unpack_started = program.unpack_started
 
     # the forward pre-hook of every hooked module (installed once, see Executor._install)
     def call_start(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -371,10 +402,11 @@ class _SteadyStep:
     def boundary(self, u: int, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         st = self.state
         st.stage_start("fwd", u)
-        if u in self.p.post_units:
+        started = self.unpack_started
+        if u in self.p.post_units and u not in started:
             self.post = (u, module)
         s = u - 1
-        if s in st.prefetch_at:
+        if s in st.prefetch_at and s not in started:
             # unit s's outputs where they are unit u's arguments as they are (program._chained:
             # unit s's module has no forward hook), else a fallback if unit s's output had no
             # gradient: the gradients of unit u's inputs arrive after stage u's backward (never
@@ -478,7 +510,7 @@ class _SteadyStep:
                     meta = self.metas[k]
                     if meta is None or not meta.describes(t):
                         meta = self.metas[k] = ViewMeta.of(t)
-                    return swap_saved(self.state, self.owner[k], storage, meta, n)
+                    return swap_saved(self.state, self.owner[k], storage, meta, n, self.starts[k])
             return self._swap(k, t)
         if a == A_HOLD_VALUE:
             s, i, pos = self.hold[k]  # type: ignore[misc]
