@@ -55,24 +55,29 @@ def _inline_packs(p: Program, st: _StepState) -> List[bool]:
 
 def _unpack_starts(p: Program, st: _StepState, inline: List[bool]) -> Tuple[List[int], FrozenSet[int]]:
     """Per pack: the backward stage that the first unpack of its lean swap starts (-1: none); and
-    those stages. Backward stage u starts when unit u's backward first needs a saved tensor (the
-    same moment as the gradient of its output, less the glue between) where the last tensor u's
-    forward saves, the first its backward unpacks, is a lean swap: a flag per unpack instead of a
-    gradient hook per stage (registered in the forward, called through autograd's hook machinery).
+    those stages. Backward stage u starts when unit u's backward first needs one of its swapped
+    tensors (the same moment as the gradient of its output, less the glue between, and any of
+    its nodes that needs none) where every tensor u's forward saves is either a lean swap (of a
+    storage as small as the lean path takes, in the learning step) or retained as it is (a
+    parameter): a flag per unpack instead of a gradient hook per stage (registered in the
+    forward, called through autograd's hook machinery).
     Stages with a swap deadline, and every stage where a state swapper runs, keep their gradient
     hook: their boundary waits or copies at the stage's start. Either trigger starts a stage
-    once (``_StepState.fired``), so a stage whose lean unpack never comes (a storage too large
-    for the lean path after all, a saved tensor autograd lets go of) is only late: its copies
-    back are made when needed."""
+    once (``_StepState.fired``), so a stage whose lean unpack comes later (autograd runs another
+    branch's nodes first) or never (a storage larger than in the learning step, a saved tensor
+    autograd lets go of) is only late: a copy back it would have issued is made when needed."""
     n = len(p.acts)
     starts = [-1] * n
     if st.swapper is not None or not any(inline):
         return starts, frozenset()
     bounds = list(p.table.pack_start) + [n]
+    acts, values, small = p.acts, p.table.values, st.inline_bytes
     no_hook = set()
     for u in range(len(bounds) - 1):
         lo, hi = bounds[u], bounds[u + 1]
-        if hi <= lo or not inline[hi - 1] or u not in st.prefetch_at or u in st.deadline_stages["bwd"]:
+        lean = [inline[k] and values[k] is not None and values[k].nbytes <= small  # type: ignore[union-attr]
+                for k in range(lo, hi) if acts[k] != A_RETAIN]
+        if not lean or not all(lean) or u not in st.prefetch_at or u in st.deadline_stages["bwd"]:
             continue
         no_hook.add(u)
         for k in range(lo, hi):

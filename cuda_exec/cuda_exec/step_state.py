@@ -510,10 +510,11 @@ class _StepState:
 
     def stage_start(self, kind: str, index: int) -> None:
         """The boundary before stage ``kind:index`` of a steady step. Its label is made, and
-        :meth:`stage_boundary` run, only where a copy waits to be queued, the stage has a swap
-        deadline or a state swapper runs; elsewhere a boundary copies the lean swaps out and
-        polls the general path's copies (none: only lean swaps so far), nothing else."""
-        if self.swapper is not None or self.unqueued or index in self.deadline_stages[kind]:
+        :meth:`stage_boundary` run, only where a copy waits to be queued, a general-path swap may
+        have a deadline at the stage or a state swapper runs (the lean path's copies complete in
+        their call: no deadline waits for them); elsewhere a boundary copies the lean swaps out
+        and polls the general path's copies (none: only lean swaps so far), nothing else."""
+        if self.swapper is not None or self.unqueued or (self.by_unit and index in self.deadline_stages[kind]):
             self.stage_boundary(f"{kind}:{index}")
             return
         if self.inline_open:
