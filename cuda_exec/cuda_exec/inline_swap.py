@@ -14,9 +14,9 @@ general path: a storage's bytes leave at the stage boundary after it was saved, 
 unit's prefetch stage, and each storage's copy is freed when autograd lets go of its saved
 tensor. The step reaches its handles through weak references (by unit, and those not copied out
 yet), so a handle autograd lets go of early takes its bytes and buffer with it. A handle may also
-start a backward stage (``starts``): where a unit's last saved tensor is a lean swap, the stage
-starts at the first unpack of the unit's lean swaps, when its backward first needs one, instead
-of from a gradient hook registered in the forward (steady._unpack_starts). The CPU backend keeps
+start a backward stage (``starts``): where every tensor a unit saves is a lean swap or retained
+as it is, its stage starts at the first unpack of its lean swaps, when its backward first needs
+one, instead of from a gradient hook registered in the forward (steady._unpack_starts). The CPU backend keeps
 a whole contiguous tensor's host copy in its shape and copies it back with one ``clone()``.
 
 Packs that something else may look up (a storage version saved again later, a checkpoint
