@@ -317,7 +317,16 @@ class _ReplayHandle(_Handle):
 class _StepState:
     """Everything one planned forward/backward owns. Its entries, input slots and unit runtimes
     refer back to it weakly (the graph's handles hold it), so a step is freed by reference
-    counting when its graph goes: no cycle keeps its objects to a later garbage collection."""
+    counting when its graph goes: no cycle keeps its objects to a later garbage collection.
+    A class with slots: a steady step reads its fields at every stage and swapped tensor."""
+
+    __slots__ = ("_offload_many", "_poll", "_prefetch_many", "_wait_offload", "_warned", "actions",
+                 "alive_storages", "backend", "backward_running", "by_unit", "copy_groups", "dead",
+                 "deadline_stages", "direct_slots", "dropped", "entries", "finished", "fired",
+                 "frames", "groups_copies", "in_flight", "inline_bytes", "inline_open",
+                 "inline_units", "kept", "names", "on_abort", "plan_names", "prefetch_at", "ref",
+                 "replay_anchor", "run_members", "run_start", "runtimes", "stats", "swap_deadlines",
+                 "swapped", "swapper", "unqueued", "unstarted", "verify", "__weakref__")
 
     def __init__(self, ex: "Executor") -> None:
         #: the weak reference its entries keep to it (one for all)
