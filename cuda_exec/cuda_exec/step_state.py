@@ -506,11 +506,7 @@ class _StepState:
                 todo = [e for e in entries if e.host is _QUEUED_LATER and e.source is not None]
                 for e, host in zip(todo, many([e.source for e in todo])):
                     e.queued_as(host)
-        if self.inline_open:  # copies that complete here: no deadline waits for them
-            copy_out_saved(self)
-        poll = self._poll
-        if poll is not None and (self.by_unit or self.swapper is not None):  # copies that may be in flight
-            poll()
+        self._copies_done()
         if self.by_unit and label in self.swap_deadlines:  # (the lean path's copies need no waits)
             self._keep_deadlines(label)
         if self.swapper is not None:
@@ -525,13 +521,17 @@ class _StepState:
         and polls the general path's copies (none: only lean swaps so far), nothing else."""
         if self.swapper is not None or self.unqueued or (self.by_unit and index in self.deadline_stages[kind]):
             self.stage_boundary(f"{kind}:{index}")
-            return
+        else:
+            self._copies_done()
+
+    def _copies_done(self) -> None:
+        """A boundary's copies: the lean swaps saved since the last one copied out (they complete
+        here: no deadline waits for them), and the device bytes of completed swap-outs freed."""
         if self.inline_open:
             copy_out_saved(self)
-        if self.by_unit:
-            poll = self._poll
-            if poll is not None:
-                poll()
+        poll = self._poll
+        if poll is not None and (self.by_unit or self.swapper is not None):  # copies that may be in flight
+            poll()
 
     def _keep_deadlines(self, label: str) -> None:
         units = self.swap_deadlines.get(label)
