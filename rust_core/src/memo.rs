@@ -41,6 +41,18 @@ pub fn normalized(s: Option<Score>, bound: Option<Score>) -> Option<Score> {
     }
 }
 
+/// What `known` answers an evaluation with `bound`, if anything.
+fn answer(known: Known, bound: Option<Score>) -> Option<Option<Score>> {
+    match known {
+        Known::Exact(s) => Some(normalized(Some(s), bound)),
+        // strictly worse than w, and w is no better than the bound: strictly worse than it
+        Known::WorseThan(w) => match bound {
+            Some(b) if !w.better_than(&b) => Some(None),
+            _ => None,
+        },
+    }
+}
+
 /// Multiply-rotate hashing of the packed plans (their bits are already spread over the words).
 #[derive(Default)]
 struct KeyHasher(u64);
@@ -104,6 +116,16 @@ fn code(a: Action) -> u64 {
     }
 }
 
+/// `plan` packed into `key` (two bits per unit): the key of [`ScoreMemo::get_key`] and
+/// [`ScoreMemo::put_key`], for callers that build keys apart from the memo (threads sharing one).
+pub fn pack(plan: &[Action], key: &mut Vec<u64>) {
+    key.clear();
+    key.resize(plan.len().div_ceil(32).max(1), 0);
+    for (u, &a) in plan.iter().enumerate() {
+        key[u / 32] |= code(a) << (2 * (u % 32));
+    }
+}
+
 impl ScoreMemo {
     pub fn new(n: usize, enabled: bool) -> ScoreMemo {
         let words = n.div_ceil(32).max(1);
@@ -116,10 +138,7 @@ impl ScoreMemo {
 
     /// Pack `plan` as the base of the next keys.
     pub fn load(&mut self, plan: &[Action]) {
-        self.base.iter_mut().for_each(|w| *w = 0);
-        for (u, &a) in plan.iter().enumerate() {
-            self.base[u / 32] |= code(a) << (2 * (u % 32));
-        }
+        pack(plan, &mut self.base);
     }
 
     /// Start a key from the loaded plan.
@@ -143,34 +162,51 @@ impl ScoreMemo {
     /// What an evaluation of the key's plan with `bound` would answer ([`normalized`]), if it
     /// is known.
     pub fn get(&mut self, bound: Option<Score>) -> Option<Option<Score>> {
+        let key = std::mem::take(&mut self.key);
+        let answer = self.get_key(&key, bound);
+        self.key = key;
+        answer
+    }
+
+    /// [`ScoreMemo::get`] of the plan packed in `key` ([`pack`]).
+    pub fn get_key(&mut self, key: &[u64], bound: Option<Score>) -> Option<Option<Score>> {
         if !self.enabled {
             return None;
         }
-        let known = match self.newer.get(&self.key[..]) {
+        let known = match self.newer.get(key) {
             Some(k) => *k,
             None => {
-                let k = *self.older.get(&self.key[..])?;
-                self.keep(k);
+                let k = *self.older.get(key)?;
+                self.keep(key, k);
                 k
             }
         };
-        let answer = match known {
-            Known::Exact(s) => Some(normalized(Some(s), bound)),
-            // strictly worse than w, and w is no better than the bound: strictly worse than it
-            Known::WorseThan(w) => match bound {
-                Some(b) if !w.better_than(&b) => Some(None),
-                _ => None,
-            },
-        };
+        let answer = answer(known, bound);
         if answer.is_some() {
             self.hits += 1;
         }
         answer
     }
 
+    /// [`ScoreMemo::get_key`] that changes nothing (no hit counted, no plan moved to the newer
+    /// generation): for threads that read one memo at once.
+    pub fn peek_key(&self, key: &[u64], bound: Option<Score>) -> Option<Option<Score>> {
+        if !self.enabled {
+            return None;
+        }
+        answer(*self.newer.get(key).or_else(|| self.older.get(key))?, bound)
+    }
+
     /// The key's plan was evaluated with `bound` and gave `s` (None: it stopped, the plan is
     /// strictly worse than the bound).
     pub fn put(&mut self, bound: Option<Score>, s: Option<Score>) {
+        let key = std::mem::take(&mut self.key);
+        self.put_key(&key, bound, s);
+        self.key = key;
+    }
+
+    /// [`ScoreMemo::put`] of the plan packed in `key` ([`pack`]).
+    pub fn put_key(&mut self, key: &[u64], bound: Option<Score>, s: Option<Score>) {
         if !self.enabled {
             return;
         }
@@ -178,7 +214,7 @@ impl ScoreMemo {
             (Some(s), _) => Known::Exact(s),
             (None, Some(b)) => {
                 // a score, or a stronger lower limit, is kept
-                match self.newer.get(&self.key[..]) {
+                match self.newer.get(key) {
                     Some(Known::Exact(_)) => return,
                     Some(Known::WorseThan(w)) if !w.better_than(&b) => return,
                     _ => {}
@@ -187,18 +223,18 @@ impl ScoreMemo {
             }
             (None, None) => return,
         };
-        self.keep(known);
+        self.keep(key, known);
     }
 
-    fn keep(&mut self, known: Known) {
-        if let Some(k) = self.newer.get_mut(&self.key[..]) {
+    fn keep(&mut self, key: &[u64], known: Known) {
+        if let Some(k) = self.newer.get_mut(key) {
             *k = known;
             return;
         }
         if self.newer.len() >= GENERATION {
             self.older = std::mem::take(&mut self.newer);
         }
-        self.newer.insert(self.key.clone().into_boxed_slice(), known);
+        self.newer.insert(key.into(), known);
     }
 
     /// Plans held.
@@ -274,6 +310,33 @@ mod tests {
             }
         }
         assert_eq!(m.len(), 1 + 70 * 2);
+    }
+
+    #[test]
+    fn keys_packed_apart_are_the_memos_own() {
+        // A key packed by a caller (threads sharing a memo) names the same plan as the memo's own.
+        let mut m = ScoreMemo::new(70, true);
+        let plan: Vec<Action> = (0..70).map(|u| Action::ALL[(u * 7) % 3]).collect();
+        let mut key = vec![123; 9];
+        pack(&plan, &mut key);
+        assert_eq!(key.len(), 3);
+        m.put_key(&key, None, Some(s(true, 0, 4.0)));
+        m.start_at(&plan);
+        assert_eq!(m.get(None), Some(Some(s(true, 0, 4.0))));
+        m.set(69, Swap);
+        m.put(Some(s(true, 0, 1.0)), None);
+        let mut other = plan.clone();
+        other[69] = Swap;
+        pack(&other, &mut key);
+        assert_eq!(m.get_key(&key, Some(s(true, 0, 1.0))), Some(None));
+        assert_eq!(m.get_key(&key, None), None);
+        // peeking answers alike and counts nothing
+        let hits = m.hits;
+        assert_eq!(m.peek_key(&key, Some(s(true, 0, 1.0))), Some(None));
+        assert_eq!(m.peek_key(&key, Some(s(false, 7, 0.0))), None);
+        pack(&plan, &mut key);
+        assert_eq!(m.peek_key(&key, Some(s(true, 0, 5.0))), Some(Some(s(true, 0, 4.0))));
+        assert_eq!(m.hits, hits);
     }
 
     #[test]

@@ -92,7 +92,7 @@ impl Move {
 /// from one polisher to the next of a search.
 #[derive(Debug, Default)]
 pub struct Memos {
-    budget: ScoreMemo,
+    pub(crate) budget: ScoreMemo,
     free: ScoreMemo,
 }
 

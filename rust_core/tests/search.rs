@@ -209,9 +209,10 @@ fn restarts_and_relinking_do_not_depend_on_the_thread_count() {
 
 #[test]
 fn the_memo_of_scores_changes_nothing_but_the_work() {
-    // The polish, restarts and relinking evaluate plans again (crate::memo): answered from the
-    // memo, the search makes the same choices (same plans, same evaluation counts, phase by
-    // phase) and simulates fewer stages.
+    // The swarm, polish, restarts and relinking evaluate plans again (crate::memo): answered from
+    // the memo, the search makes the same choices (same plans, same evaluation counts, phase by
+    // phase) and simulates fewer stages, the swarm too (its particles converge on the same plans;
+    // two threads share its memo).
     for (name, frac) in [("plain20", 0.25), ("mobilenet_v1", 0.5)] {
         let p = bundled(name);
         let run = |memo: bool| {
@@ -233,6 +234,13 @@ fn the_memo_of_scores_changes_nothing_but_the_work() {
         assert!(phases(&with).iter().any(|(n, _)| n == "relink"), "{name}: relinking ran");
         let stages = |plan: &tensorplace_core::Plan| plan.convergence.as_ref().unwrap()["stages"].as_u64().unwrap();
         assert!(stages(&with) < stages(&without), "{name}: {} stages with the memo, {} without", stages(&with), stages(&without));
+        let swarm_stages = |plan: &tensorplace_core::Plan| plan.convergence.as_ref().unwrap()["phases"][0]["stages"].as_u64().unwrap();
+        assert!(
+            swarm_stages(&with) < swarm_stages(&without),
+            "{name}: the swarm simulated {} stages with the memo, {} without",
+            swarm_stages(&with),
+            swarm_stages(&without)
+        );
     }
 }
 
