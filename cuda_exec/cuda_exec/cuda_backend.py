@@ -76,7 +76,11 @@ learning step, so steady steps allocate no pinned memory); `close()` frees them 
 `cudaFreeHost`. A buffer is written only by D2H copies (one stream, FIFO) and read only by H2D
 copies of its own handle; a buffer given back after an H2D copy read it keeps that copy's ready
 event as a **fence**, and the next D2H copy into it waits for the fence on the D2H stream (no host
-wait), so it never overwrites bytes an H2D copy on the other stream is still reading.
+wait), so it never overwrites bytes an H2D copy on the other stream is still reading. The wait is
+left out where it is already implied: a compute stream waited for the fence (the fetch of its
+tensor, or the release of one never fetched) before the compute event the copy waits for was
+recorded on that stream (the event completes after the fence then, and the D2H stream waits for
+it): in steady steps, every reused buffer.
 
 Tensor layouts
 --------------
@@ -194,6 +198,9 @@ class PinnedPool:
         self._free: Dict[int, List[int]] = collections.defaultdict(list)  # class -> pointers
         self._owned: Dict[int, int] = {}  # pointer -> class size, every live allocation
         self._fences: Dict[int, Any] = {}  # pointer -> event the next writer must wait for
+        #: pointer -> (compute stream, order) where a compute stream waited for its fence
+        #: (CudaBackend._fence_implied)
+        self._covers: Dict[int, Tuple[int, int]] = {}
         self.allocations = 0  # cudaHostAlloc calls ever made
         self.frees = 0  # cudaFreeHost calls ever made
         self.bytes_in_use = 0
@@ -239,13 +246,23 @@ class PinnedPool:
         """The event the next copy into `ptr` must wait for (None: nothing), handed to the caller."""
         return self._fences.pop(ptr, None)
 
-    def give_back(self, ptr: int, fence: Any = None) -> None:
+    def take_cover(self, ptr: int) -> Optional[Tuple[int, int]]:
+        """Where a compute stream waited for the fence of `ptr` (see `give_back`), handed to the
+        caller with the fence."""
+        return self._covers.pop(ptr, None)
+
+    def give_back(self, ptr: int, fence: Any = None, cover: Optional[Tuple[int, int]] = None) -> None:
         """Return a buffer; `fence`: the ready event of an H2D copy that may still read it (the
-        pool keeps it for the next writer)."""
+        pool keeps it for the next writer); `cover`: (compute stream, order) where a compute
+        stream waited for that event, if one did."""
         cls = self._owned[ptr]
         if fence is not None:
             assert ptr not in self._fences, "a buffer has one reader at most"
             self._fences[ptr] = fence
+            if cover is not None:
+                self._covers[ptr] = cover
+            else:
+                self._covers.pop(ptr, None)
         self._free[cls].append(ptr)
         self.bytes_in_use -= cls
 
@@ -277,6 +294,7 @@ class PinnedPool:
             del self._owned[ptr]
         self._free.clear()
         self._fences.clear()
+        self._covers.clear()
         self.bytes_in_use = 0
         if first_error is not None:
             raise first_error
@@ -354,8 +372,8 @@ class _TorchCuda:
 class _Slot:
     """What a handle owns; kept apart from the handle so that a finalizer can reclaim it."""
 
-    __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "fetched", "offload_event",
-                 "queued", "fence", "error", "__weakref__")
+    __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "covered", "fetched",
+                 "offload_event", "queued", "fence", "fence_cover", "error", "__weakref__")
 
     def __init__(self, ptr: Optional[int], capacity: int):
         self.ptr = ptr
@@ -363,22 +381,29 @@ class _Slot:
         self.device: Optional[torch.Tensor] = None  # prefetched, not yet fetched
         self.alloc_stream: Optional[int] = None  # compute stream the prefetch allocated on
         self.ready_event: Any = None  # recorded on the H2D stream after the last H2D
+        #: (compute stream, order) where a compute stream waited for ready_event since it was
+        #: recorded (CudaBackend._fence_implied)
+        self.covered: Optional[Tuple[int, int]] = None
         self.fetched: Optional[weakref.ref] = None  # the tensor fetch returned
         self.offload_event: Any = None  # the offload's completion event, until seen complete
         self.queued: Optional["_Queued"] = None  # its offload, while it waits in the host queue
         self.fence: Any = None  # the buffer's fence, until a D2H copy into it waited for it
+        self.fence_cover: Optional[Tuple[int, int]] = None  # where a compute stream waited for it
         self.error: Optional[BaseException] = None  # why its offload could not be issued
 
 
 class _Ready:
     """A compute-stream event the copies of one batch of offloads wait for (recorded once for
-    the batch; back to the event pool when the last of them is issued or cancelled)."""
+    the batch, on `stream` at `order`; back to the event pool when the last of them is issued or
+    cancelled)."""
 
-    __slots__ = ("event", "refs")
+    __slots__ = ("event", "refs", "stream", "order")
 
-    def __init__(self, event: Any):
+    def __init__(self, event: Any, stream: int, order: int):
         self.event = event
         self.refs = 0
+        self.stream = stream
+        self.order = order
 
 
 class _Queued:
@@ -499,6 +524,9 @@ class CudaBackend(Backend):
         #: the batch whose ready event the D2H stream waited for last (FIFO: later copies need no
         #: second wait for it)
         self._d2h_after: Optional[_Ready] = None
+        #: a count of the compute-stream events recorded and waits issued, in issue order (the
+        #: order a fence's wait and a batch's compute event were issued: _fence_implied)
+        self._order = 0
         self._d2h: Any = None
         self._h2d: Any = None
         with self._torch.device_guard():
@@ -576,15 +604,18 @@ class CudaBackend(Backend):
                 ptr, capacity = self.pool.acquire(nbytes)
                 slot = _Slot(ptr, capacity)
                 slot.fence = self.pool.take_fence(ptr)
+                slot.fence_cover = self.pool.take_cover(ptr)
                 if ready is None:
                     try:
                         ev = self._events.acquire()
                         # the activations are finished when the work queued so far on the compute stream is
-                        self._cuda("cudaEventRecord", ev, self._compute_stream())
+                        stream = self._compute_stream()
+                        self._cuda("cudaEventRecord", ev, stream)
                     except BaseException:
-                        self.pool.give_back(ptr, slot.fence)
+                        self.pool.give_back(ptr, slot.fence, slot.fence_cover)
                         raise
-                    ready = _Ready(ev)
+                    self._order += 1
+                    ready = _Ready(ev, stream, self._order)
                 ready.refs += 1
                 handles.append(self._new_handle(nbytes, src, slot))
                 slot.queued = _Queued(slot, src, nbytes, ready)
@@ -621,6 +652,8 @@ class CudaBackend(Backend):
             stream_handle = self._compute_stream()
             if slot.ready_event is not None:  # device-side wait: the host does not block
                 self._cuda("cudaStreamWaitEvent", stream_handle, slot.ready_event, 0)
+                self._order += 1
+                slot.covered = (stream_handle, self._order)
             if stream_handle != slot.alloc_stream:  # the caching allocator ignores its block's own stream
                 self._torch.record_stream(tensor, self._torch.current_stream())
             slot.device = None
@@ -723,6 +756,7 @@ class CudaBackend(Backend):
             dev = self._torch.empty_strided((nbytes,), (1,), torch.uint8)
             ptr, _ = self.pool.acquire(nbytes)
             fence = self.pool.take_fence(ptr)
+            self.pool.take_cover(ptr)  # (waited for below in any case)
             timing: List[Any] = []
             try:
                 with self._torch.device_guard():
@@ -840,6 +874,13 @@ class CudaBackend(Backend):
         handle = self._current_handle()
         return handle if handle else self._legacy_stream
 
+    def _fence_implied(self, cover: Optional[Tuple[int, int]], ready: _Ready) -> bool:
+        """Whether a D2H copy that waits for ``ready`` (a compute-stream event) is already ordered
+        after a buffer's fence: a wait for the fence on the same compute stream came before the
+        event was recorded there (``cover``: that stream and the wait's order), so the event
+        completes after the fence has."""
+        return cover is not None and cover[0] == ready.stream and cover[1] < ready.order
+
     def _copy_waits_for(self, copy_stream: Any, compute_stream: int) -> None:
         """Order `copy_stream` after everything queued so far on `compute_stream`."""
         ev = self._events.acquire()
@@ -879,9 +920,9 @@ class CudaBackend(Backend):
         src, item.src = item.src, None
         rt = self._cuda.rt
         try:
-            if slot.fence is not None:  # an H2D copy may still read the buffer
-                self._cuda("cudaStreamWaitEvent", self._d2h, slot.fence, 0)
             ready = item.ready
+            if slot.fence is not None and not self._fence_implied(slot.fence_cover, ready):
+                self._cuda("cudaStreamWaitEvent", self._d2h, slot.fence, 0)  # an H2D copy may still read the buffer
             if ready is not self._d2h_after:  # the D2H stream is FIFO: one wait per batch in a row
                 self._cuda("cudaStreamWaitEvent", self._d2h, ready.event, 0)
                 self._d2h_after = ready
@@ -895,13 +936,14 @@ class CudaBackend(Backend):
             slot.error = exc
             self._ready_done(item.ready)
             if slot.ptr is not None:
-                self.pool.give_back(slot.ptr, slot.fence)
+                self.pool.give_back(slot.ptr, slot.fence, slot.fence_cover)
                 slot.ptr = None
                 slot.fence = None
             raise
         if slot.fence is not None:
-            self._events.give_back(slot.fence)  # the wait captured it
+            self._events.give_back(slot.fence)  # the wait captured it (or was implied)
             slot.fence = None
+            slot.fence_cover = None
         self._ready_done(item.ready)
         self._pending.append((done, src, item.nbytes, slot))  # src (a view of the caller's storage) stays alive
         self._pending_bytes += item.nbytes
@@ -978,6 +1020,7 @@ class CudaBackend(Backend):
             if slot.ready_event is None:
                 slot.ready_event = self._events.acquire()
             self._cuda("cudaEventRecord", slot.ready_event, self._h2d)
+            slot.covered = None
             self.stats["h2d_copies"] += 1
             self.stats["h2d_bytes"] += handle.nbytes
         slot.device = tensor
@@ -994,18 +1037,22 @@ class CudaBackend(Backend):
             # prefetched, never fetched: the H2D may still be writing into the tensor's block.
             # The block's stream waits for it, so the allocator cannot reuse the block too early.
             self._cuda("cudaStreamWaitEvent", slot.alloc_stream, slot.ready_event, 0)
+            self._order += 1
+            slot.covered = (slot.alloc_stream, self._order)
         slot.device = None
         slot.fetched = None
         # the buffer's fence: the last H2D copy that read it, else one it carried unused
         fence, slot.ready_event = slot.ready_event, None
+        cover, slot.covered = slot.covered, None
         if slot.fence is not None:
             if fence is None:
-                fence = slot.fence
+                fence, cover = slot.fence, slot.fence_cover
             else:
                 self._events.give_back(slot.fence)
             slot.fence = None
+            slot.fence_cover = None
         if slot.ptr is not None:
-            self.pool.give_back(slot.ptr, fence)
+            self.pool.give_back(slot.ptr, fence, cover)
             slot.ptr = None
         elif fence is not None:
             self._events.give_back(fence)
