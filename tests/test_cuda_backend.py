@@ -605,6 +605,38 @@ def test_fake_a_fence_the_compute_stream_waited_for_needs_no_second_wait(fake):
     assert fetch_then_reuse(3, 5) == 0
 
 
+def test_fake_a_fetch_after_a_later_h2d_was_waited_for_needs_no_wait(fake):
+    """The H2D stream is FIFO: once a compute stream waited for one prefetch's ready event, the
+    fetch of a tensor prefetched before it needs no wait of its own (a stage's tensors are often
+    fetched last first in the backward). Fetched in the order they were prefetched, each waits;
+    another compute stream waits for itself. The simulated device moves a copy's bytes only when
+    something waits for it, so a missing wait shows as wrong values."""
+    b, rt, tt = fake.b, fake.rt, fake.torch
+    xs = [torch.randn(1000) + i for i in range(3)]
+
+    def round_trip(order):
+        hs = b.offload_many(xs)
+        rt.run()
+        b.poll()
+        b.prefetch_many(hs)
+        first = len(rt.waits)
+        got = {i: b.fetch(hs[i]) for i in order}
+        waits = [w for w in rt.waits[first:] if w[0] == tt.stream]
+        for i in range(3):
+            assert torch.equal(got[i], xs[i])
+        for h in hs:
+            b.release(h)
+        rt.run()
+        b.poll()
+        return len(waits)
+
+    assert round_trip([2, 1, 0]) == 1
+    assert round_trip([0, 1, 2]) == 3
+    assert round_trip([1, 0, 2]) == 2
+    tt.stream = 11
+    assert round_trip([2, 1, 0]) == 1
+
+
 def test_fake_sources_are_checked_until_their_copy_ran(fake):
     """The simulated device checks the backend's lifetimes: a source written (or freed and
     reused) before its copy ran is reported when the copy's bytes move."""

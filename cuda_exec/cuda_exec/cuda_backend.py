@@ -48,9 +48,12 @@ Streams and ordering
   (a stage's prefetches) makes the H2D stream wait for the compute stream once for the batch (it
   queues no compute work between its copies).
 - fetch: `cudaStreamWaitEvent(current compute stream, ready event)` - a device-side wait, the host
-  never blocks - and, when fetch runs on another stream than the one the prefetch allocated the
-  tensor on, `tensor.record_stream(current stream)`, so the caching allocator will not reuse it
-  early (on its own stream the allocator needs no record).
+  never blocks - unless that stream already waited for a ready event recorded later on the H2D
+  stream (FIFO: a stage's tensors are often fetched last first); and, when fetch runs on another
+  stream than the one the prefetch allocated the tensor on, `tensor.record_stream(current
+  stream)`, so the caching allocator will not reuse it early (on its own stream the allocator
+  needs no record). Stream handles name the same stream for the process's life (torch's streams
+  come from its pools and are never destroyed).
 - A swap deadline (`release_offload`) is a device-side wait too: the offload (and every offload
   queued on the host before it) is issued if it was not, the compute stream waits for its
   completion event (and so, the D2H stream being FIFO, for every D2H copy before it) and the
@@ -372,8 +375,8 @@ class _TorchCuda:
 class _Slot:
     """What a handle owns; kept apart from the handle so that a finalizer can reclaim it."""
 
-    __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "covered", "fetched",
-                 "offload_event", "queued", "fence", "fence_cover", "error", "__weakref__")
+    __slots__ = ("ptr", "capacity", "device", "alloc_stream", "ready_event", "ready_order", "covered",
+                 "fetched", "offload_event", "queued", "fence", "fence_cover", "error", "__weakref__")
 
     def __init__(self, ptr: Optional[int], capacity: int):
         self.ptr = ptr
@@ -381,6 +384,7 @@ class _Slot:
         self.device: Optional[torch.Tensor] = None  # prefetched, not yet fetched
         self.alloc_stream: Optional[int] = None  # compute stream the prefetch allocated on
         self.ready_event: Any = None  # recorded on the H2D stream after the last H2D
+        self.ready_order = 0  # the record's place among the H2D stream's ready events
         #: (compute stream, order) where a compute stream waited for ready_event since it was
         #: recorded (CudaBackend._fence_implied)
         self.covered: Optional[Tuple[int, int]] = None
@@ -527,6 +531,10 @@ class CudaBackend(Backend):
         #: a count of the compute-stream events recorded and waits issued, in issue order (the
         #: order a fence's wait and a batch's compute event were issued: _fence_implied)
         self._order = 0
+        #: ready events recorded on the H2D stream so far; per compute stream, the latest of them
+        #: it waited for (a fetch) and that wait's order: a fetch of an earlier one needs no wait
+        self._h2d_records = 0
+        self._h2d_waited: Dict[int, Tuple[int, int]] = {}
         self._d2h: Any = None
         self._h2d: Any = None
         with self._torch.device_guard():
@@ -651,9 +659,15 @@ class CudaBackend(Backend):
                 tensor = slot.device
             stream_handle = self._compute_stream()
             if slot.ready_event is not None:  # device-side wait: the host does not block
-                self._cuda("cudaStreamWaitEvent", stream_handle, slot.ready_event, 0)
-                self._order += 1
-                slot.covered = (stream_handle, self._order)
+                waited = self._h2d_waited.get(stream_handle)
+                if waited is not None and slot.ready_order <= waited[0]:
+                    # the stream waited for a later H2D already (the H2D stream is FIFO)
+                    slot.covered = (stream_handle, waited[1])
+                else:
+                    self._cuda("cudaStreamWaitEvent", stream_handle, slot.ready_event, 0)
+                    self._order += 1
+                    slot.covered = (stream_handle, self._order)
+                    self._h2d_waited[stream_handle] = (slot.ready_order, self._order)
             if stream_handle != slot.alloc_stream:  # the caching allocator ignores its block's own stream
                 self._torch.record_stream(tensor, self._torch.current_stream())
             slot.device = None
@@ -1020,6 +1034,8 @@ class CudaBackend(Backend):
             if slot.ready_event is None:
                 slot.ready_event = self._events.acquire()
             self._cuda("cudaEventRecord", slot.ready_event, self._h2d)
+            self._h2d_records += 1
+            slot.ready_order = self._h2d_records
             slot.covered = None
             self.stats["h2d_copies"] += 1
             self.stats["h2d_bytes"] += handle.nbytes
