@@ -149,6 +149,9 @@ class Program:
     #: those stages, which no gradient hook starts (steady._unpack_starts; decided with ``inline``)
     unpack_starts: List[int] = field(default_factory=list)
     unpack_started: FrozenSet[int] = frozenset()
+    #: units after whose module call glue ran (torch calls outside unit modules) before the next
+    #: unit's: their backward stage starts with the glue's backward
+    glue_units: FrozenSet[int] = frozenset()
 
     @property
     def swaps(self) -> int:
@@ -455,8 +458,10 @@ def build_program(table: _Table, tracker: UnitTracker, actions: Sequence[str], r
             post[id(m)] = m
     shared = frozenset(f for k, f in enumerate(table.first) if f != k)
     draws = frozenset(first for first, last in runs if any(aligner.random[u] for u in range(first, last + 1)))
-    return Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
-                   entry_args, shared, hooked_out, [None] * len(acts), draws)
+    program = Program(table, events, list(pre.values()), list(post.values()), acts, hold, seg_list, tracked, armed,
+                      entry_args, shared, hooked_out, [None] * len(acts), draws)
+    program.glue_units = frozenset(u for _, u in tracker.glue_events)
+    return program
 
 
 def _chained(table: _Table, u: int, starts: Dict[int, Event]) -> bool:
