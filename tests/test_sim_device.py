@@ -85,6 +85,51 @@ def test_planned_steps_on_the_simulated_gpu_train_bitwise_without_host_blocking_
         backend.close()
 
 
+def test_a_swapped_stage_starts_at_its_first_unpack_on_the_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's swaps take the general path (step_state._SwapHandle), whose handles
+    carry their backward stage as the lean path's do (steady._unpack_starts): in a stack of
+    units with no glue between them, the all-swap plan's stages start at their first unpack with
+    no gradient hook, every prefetch is scheduled (none made at the unpack), the stages run in
+    order and the step trains bitwise (the zoo's test below checks peaks on this backend)."""
+    import cuda_exec.steady as steady
+
+    model, reference = _model(), _model()
+    x = torch.randn(16, WIDTH)
+    dev = SimDevice(d2h_bandwidth=25e9, h2d_bandwidth=25e9, copy_engines=2)
+    backend = sim_backend(dev)
+    try:
+        probe = tp.plan(model, x, budget=2**50, loss_fn=lambda out: out.sum(), method="retain", backend=backend,
+                        repeats=1)
+        plan = probe.replan(2**50, method="swap-all")
+        planned = tp.run(model, plan, backend=backend)
+        params = list(model.parameters())
+        try:
+            _grads(planned, params, x)  # the learning step
+            _grads(planned, params, x)
+            program = planned.executor._program
+            started = program.unpack_started
+            assert not any(program.inline) and len(started) == len(planned.executor.prefetch_at) - 1, started
+            hooked: List[int] = []
+            on_gradient = steady._on_gradient
+            monkeypatch.setattr(steady, "_on_gradient",
+                                lambda a, fire: (hooked.append(fire.stage), on_gradient(a, fire)))
+            got = _grads(planned, params, x)
+            for _ in range(2):
+                want = _grads(reference, list(reference.parameters()), x)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            stats = planned.last_stats
+            assert not set(hooked) & started, hooked
+            # (a swap-out the plan cancels, in flight when its stage comes, is used in place)
+            assert stats.unscheduled_fetches == 0 and stats.swap_storages > 0
+            assert stats.prefetches == stats.swap_storages - stats.in_flight_swaps - stats.unstarted_swaps
+            assert stats.prefetch_stages == sorted(stats.prefetch_stages, reverse=True)
+            assert started <= set(stats.prefetch_stages)
+        finally:
+            planned.close()
+    finally:
+        backend.close()
+
+
 FAST = ["mobilenet_v2", "transformer_encoder"]
 
 

@@ -14,8 +14,9 @@ general path: a storage's bytes leave at the stage boundary after it was saved, 
 unit's prefetch stage, and each storage's copy is freed when autograd lets go of its saved
 tensor. The step reaches its handles through weak references (by unit, and those not copied out
 yet), so a handle autograd lets go of early takes its bytes and buffer with it. A handle may also
-start a backward stage (``starts``): where every tensor a unit saves is a lean swap or retained
-as it is, its stage starts at the first unpack of its lean swaps, when its backward first needs
+start a backward stage (``starts``): where every tensor a unit saves is swapped (here or on the
+general path, whose handles carry the stage too) or retained as it is, and no glue follows its
+module call, its stage starts at the first unpack of its swaps, when its backward first needs
 one, instead of from a gradient hook registered in the forward (steady._unpack_starts). The CPU backend keeps
 a whole contiguous tensor's host copy in its shape and copies it back with one ``clone()``.
 

@@ -53,38 +53,38 @@ def _inline_packs(p: Program, st: _StepState) -> List[bool]:
             and tb.owner[k] not in cancelled for k, a in enumerate(p.acts)]
 
 
-def _unpack_starts(p: Program, st: _StepState, inline: List[bool]) -> Tuple[List[int], FrozenSet[int]]:
-    """Per pack: the backward stage that the first unpack of its lean swap starts (-1: none); and
+def _unpack_starts(p: Program, st: _StepState) -> Tuple[List[int], FrozenSet[int]]:
+    """Per pack: the backward stage that the first unpack of its swap starts (-1: none); and
     those stages. Backward stage u starts when unit u's backward first needs one of its swapped
-    tensors (the same moment as the gradient of its output, less the glue between, and any of
-    its nodes that needs none) where every tensor u's forward saves is either a lean swap (of a
-    storage as small as the lean path takes, in the learning step) or retained as it is (a
-    parameter): a flag per unpack instead of a gradient hook per stage (registered in the
-    forward, called through autograd's hook machinery).
+    tensors (the same moment as the gradient of its output, less any of its nodes that needs
+    none) where every tensor u's forward saves is either swapped (on the lean path,
+    inline_swap.InlineHandle, or the general one, step_state._SwapHandle: both carry the stage)
+    or retained as it is (a parameter): a flag per unpack instead of a gradient hook per stage
+    (registered in the forward, called through autograd's hook machinery).
     Stages with a swap deadline, and every stage where a state swapper runs, keep their gradient
     hook: their boundary waits or copies at the stage's start; so do units with glue after their
     module call (Program.glue_units): their stage starts with the glue's backward, before the
     unit's own (an unpack start there came later than the cost model's stage, and peaks measured
     up to 19% under their predictions on the zoo's functional_glue). Either trigger starts a stage
-    once (``_StepState.fired``), so a stage whose lean unpack comes later (autograd runs another
-    branch's nodes first) or never (a storage larger than in the learning step, a saved tensor
-    autograd lets go of) is only late: a copy back it would have issued is made when needed."""
+    once (``_StepState.fired``), so a stage whose first unpack comes later (autograd runs another
+    branch's nodes first) or never (a saved tensor autograd lets go of) is only late: a copy
+    back it would have issued is made when needed."""
     n = len(p.acts)
     starts = [-1] * n
-    if st.swapper is not None or not any(inline):
+    if st.swapper is not None or p.any_tracked:  # (a tracked step's packs may be the tracker's)
         return starts, frozenset()
     bounds = list(p.table.pack_start) + [n]
-    acts, values, small, glue = p.acts, p.table.values, st.inline_bytes, p.glue_units
+    acts, glue = p.acts, p.glue_units
     no_hook = set()
     for u in range(len(bounds) - 1):
         lo, hi = bounds[u], bounds[u + 1]
-        lean = [inline[k] and values[k] is not None and values[k].nbytes <= small  # type: ignore[union-attr]
-                for k in range(lo, hi) if acts[k] != A_RETAIN]
-        if not lean or not all(lean) or u not in st.prefetch_at or u in st.deadline_stages["bwd"] or u in glue:
+        moved = [acts[k] for k in range(lo, hi) if acts[k] != A_RETAIN]
+        if not moved or any(a != A_SWAP for a in moved) or u not in st.prefetch_at or u in st.deadline_stages["bwd"] \
+                or u in glue:
             continue
         no_hook.add(u)
         for k in range(lo, hi):
-            if inline[k]:
+            if acts[k] == A_SWAP:
                 starts[k] = u
     return starts, frozenset(no_hook)
 
@@ -328,7 +328,7 @@ class _SteadyStep:
         inline = program.inline
         if inline is None:
             inline = program.inline = _inline_packs(program, state)
-            program.unpack_starts, program.unpack_started = _unpack_starts(program, state, inline)
+            program.unpack_starts, program.unpack_started = _unpack_starts(program, state)
         self.inline = inline
         self.inline_bytes: int = state.inline_bytes
         self.owner = program.table.owner
@@ -555,8 +555,8 @@ class _SteadyStep:
             meta = self.metas[k] = ViewMeta.of(t)
         if st.verify:
             return _SwapHandle(st, entry, meta, entry.device, checksum(t),
-                               f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})")
-        return _SwapHandle(st, entry, meta, entry.device, None, "")
+                               f"swap of a saved tensor of unit {entry.unit} ({tb.names[entry.unit]})", self.starts[k])
+        return _SwapHandle(st, entry, meta, entry.device, None, "", self.starts[k])
 
     def finish(self, out: Any) -> None:
         p = self.p

@@ -233,10 +233,10 @@ class _Handle:
 
 
 class _SwapHandle(_Handle):
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "starts")
 
     def __init__(self, state: "_StepState", entry: _Entry, meta: ViewMeta, device: torch.device,
-                 digest: Optional[str], what: str) -> None:
+                 digest: Optional[str], what: str, starts: int = -1) -> None:
         # the steady step's hot path: the base class's fields set here, without its call
         self.state = state
         self.meta = meta
@@ -244,12 +244,16 @@ class _SwapHandle(_Handle):
         self.digest = digest
         self.what = what
         self.entry = entry
+        self.starts = starts  #: the backward stage its first unpack starts, or -1 (steady._unpack_starts)
         entry.refs += 1
 
     def unpack(self) -> torch.Tensor:
         state = self.state
         if state.dead:
             state.check_alive()
+        s = self.starts
+        if s >= 0 and s not in state.fired:
+            state.issue_prefetches(s)  # the stage starts here: its prefetches, this one's among them
         entry = self.entry
         storage = entry.storage(state) if entry.fetched is None else None  # fetched now, unless still here
         fetched = entry.fetched
