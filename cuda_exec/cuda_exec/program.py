@@ -145,8 +145,8 @@ class Program:
     #: per pack: its swap takes the lean path (inline_swap.py) when its storage is small enough;
     #: None until a steady step decides it (steady._inline_packs)
     inline: Optional[List[bool]] = None
-    #: per pack: the backward stage that the first unpack of its lean swap starts, or -1; and
-    #: those stages, which no gradient hook starts (steady._unpack_starts; decided with ``inline``)
+    #: per pack: the backward stage that the first unpack of its swap starts, or -1; and those
+    #: stages, which no gradient hook starts (steady._unpack_starts)
     unpack_starts: List[int] = field(default_factory=list)
     unpack_started: FrozenSet[int] = frozenset()
     #: units after whose module call glue ran (torch calls outside unit modules) before the next

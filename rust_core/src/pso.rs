@@ -23,8 +23,10 @@
 //! from the particle's own state at the stage its dimension can first affect (saved by the
 //! sweep's earlier candidates), which changes nothing but the work either. Particles that
 //! converge try the same plans (on mobilenet_v2 at 0.75, 40% of the swarm's candidates were
-//! tried before by it): a plan the swarm evaluated before is answered from what that evaluation
-//! found (crate::memo, one memo per swarm shared by its threads), the same answer.
+//! tried before by it): a plan the search evaluated before (in an earlier iteration, or an
+//! earlier phase) is answered from what that evaluation found (crate::memo: the search's memo,
+//! which the threads read during an iteration and which learns between iterations), the same
+//! answer.
 
 use crate::action::Action;
 use crate::error::{CoreError, Result};
@@ -165,12 +167,8 @@ fn random_plan(space: &Space, rng: &mut ChaCha8Rng) -> Vec<Action> {
     space.expand(&per_dim)
 }
 
-/// One particle's sweep (Algorithm 3, lines 4-13) over the dimensions of `space`. Returns its
-/// new score and evaluation count. Each candidate is scored resumed from the particle's own
-/// states, saved as the sweep goes (crate::incremental's `Context::score_changed`): the
-/// dimensions before one do not change while it is tried, so neither does the step up to it.
-/// A sweep's view of the plans its swarm evaluated before this iteration (crate::memo), and what
-/// it learns: kept in the swarm's memo after the iteration, in particle order, so that what the
+/// A sweep's view of the plans the search evaluated before this iteration (crate::memo), and what
+/// it learns: kept in the memo after the iteration, in particle order, so that what the
 /// memo knows (and so the work) does not depend on the thread count.
 struct SweepMemo<'a> {
     known: &'a ScoreMemo,
@@ -220,6 +218,10 @@ impl<'a> SweepMemo<'a> {
     }
 }
 
+/// One particle's sweep (Algorithm 3, lines 4-13) over the dimensions of `space`. Returns its
+/// new score and evaluation count. Each candidate is scored resumed from the particle's own
+/// states, saved as the sweep goes (crate::incremental's `Context::score_changed`): the
+/// dimensions before one do not change while it is tried, so neither does the step up to it.
 #[allow(clippy::too_many_arguments)]
 fn sweep(
     ctx: &Context,
