@@ -11,7 +11,7 @@ simulated device's tensors live) stay within the plan's predicted peak.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -41,8 +41,9 @@ def _grads(module: nn.Module, params: List[torch.Tensor], x: torch.Tensor) -> Li
     return out
 
 
-@pytest.mark.parametrize("method", ["swap-all", "recompute-all", "pso"])
-def test_planned_steps_on_the_simulated_gpu_train_bitwise_without_host_blocking_calls(method: str) -> None:
+def _probed() -> Tuple[nn.Module, nn.Module, torch.Tensor, SimDevice, Any, Any]:
+    """The stack, a copy of it for reference, an input, a simulated GPU, the CUDA backend on it
+    and the stack's all-retain plan (its profile measured there)."""
     model, reference = _model(), _model()
     x = torch.randn(16, WIDTH)
     dev = SimDevice(d2h_bandwidth=25e9, h2d_bandwidth=25e9, copy_engines=2)
@@ -50,6 +51,16 @@ def test_planned_steps_on_the_simulated_gpu_train_bitwise_without_host_blocking_
     try:
         probe = tp.plan(model, x, budget=2**50, loss_fn=lambda out: out.sum(), method="retain", backend=backend,
                         repeats=1)
+    except BaseException:
+        backend.close()
+        raise
+    return model, reference, x, dev, backend, probe
+
+
+@pytest.mark.parametrize("method", ["swap-all", "recompute-all", "pso"])
+def test_planned_steps_on_the_simulated_gpu_train_bitwise_without_host_blocking_calls(method: str) -> None:
+    model, reference, x, dev, backend, probe = _probed()
+    try:
         profile = probe.to_dict()["profile"]
         assert profile["copy_engines"] == 2  # the backend's two copy streams are the model's two queues
         low, high = tp.lower_bound(profile), tp.unplanned_peak(profile)
@@ -93,13 +104,8 @@ def test_a_swapped_stage_starts_at_its_first_unpack_on_the_cuda_backend(monkeypa
     order and the step trains bitwise (the zoo's test below checks peaks on this backend)."""
     import cuda_exec.steady as steady
 
-    model, reference = _model(), _model()
-    x = torch.randn(16, WIDTH)
-    dev = SimDevice(d2h_bandwidth=25e9, h2d_bandwidth=25e9, copy_engines=2)
-    backend = sim_backend(dev)
+    model, reference, x, dev, backend, probe = _probed()
     try:
-        probe = tp.plan(model, x, budget=2**50, loss_fn=lambda out: out.sum(), method="retain", backend=backend,
-                        repeats=1)
         plan = probe.replan(2**50, method="swap-all")
         planned = tp.run(model, plan, backend=backend)
         params = list(model.parameters())
