@@ -532,6 +532,18 @@ def test_fake_a_deadline_issues_the_queued_offloads_before_it(fake):
     b.close()
 
 
+def _prefetched_on_stream_5(fake, x):
+    """``x`` offloaded from compute stream 5, its copy run, then prefetched: the H2D copy out of
+    its buffer still runs. Returns the handle, its ready event and its buffer."""
+    b, rt, tt = fake.b, fake.rt, fake.torch
+    tt.stream = 5
+    h = b.offload(x)
+    rt.run()
+    b.poll()
+    b.prefetch(h)
+    return h, h._slot.ready_event, h._slot.ptr
+
+
 def test_fake_a_buffer_read_by_an_h2d_copy_is_fenced_before_the_next_d2h(fake, monkeypatch):
     """The two directions run on different streams: a pinned buffer given back while its H2D copy
     may still read it keeps the copy's event, and the next D2H copy into it waits for it (here the
@@ -541,12 +553,7 @@ def test_fake_a_buffer_read_by_an_h2d_copy_is_fenced_before_the_next_d2h(fake, m
     x = torch.arange(1 << 14, dtype=torch.float32)
 
     def read_then_reuse(value):
-        tt.stream = 5
-        h = b.offload(x)
-        rt.run()
-        b.poll()
-        b.prefetch(h)  # H2D out of the buffer, still running
-        ready, ptr = h._slot.ready_event, h._slot.ptr
+        h, ready, ptr = _prefetched_on_stream_5(fake, x)
         b.release(h)
         tt.stream = 9
         return ready, ptr, b.offload(x + value)  # the same buffer, written on the D2H stream
@@ -577,12 +584,7 @@ def test_fake_a_fence_the_compute_stream_waited_for_needs_no_second_wait(fake):
     x = torch.arange(1 << 14, dtype=torch.float32)
 
     def fetch_then_reuse(value, stream):
-        tt.stream = 5
-        h = b.offload(x)
-        rt.run()
-        b.poll()
-        b.prefetch(h)  # H2D out of the buffer, still running
-        ready, ptr = h._slot.ready_event, h._slot.ptr
+        h, ready, ptr = _prefetched_on_stream_5(fake, x)
         assert torch.equal(b.fetch(h), x)  # compute stream 5 waits for it
         b.release(h)
         tt.stream = stream
