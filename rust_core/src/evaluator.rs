@@ -244,11 +244,16 @@ pub struct Scratch {
     state_resident: Vec<bool>,
     state_ready: Vec<f64>,
     state_out: Vec<bool>,
-    /// Units whose prefetch was issued ahead of its need in this run, in issue order.
+    /// Units whose prefetch was issued ahead of its need in this run, in issue order, and when:
+    /// (clock, backward stage, replay time so far).
     early: Vec<usize>,
+    early_at: Vec<(f64, usize, f64)>,
     /// (unit, stage): prefetches issued ahead of their need that were on the device when backward
     /// `stage`, before their need, did not fit (the first stage that did not fit).
     retract: Vec<(usize, usize)>,
+    /// The first overflow blamed a prefetch that the next run issues later: this run's outcome
+    /// is not the evaluation's, so the run stops at the end of the stage ([`run_with_events`]).
+    retry: bool,
     /// Per unit, the highest backward stage at which its prefetch may be issued ahead of its need
     /// (`usize::MAX`: any). Kept across the runs of one evaluation ([`run_with_events`]).
     issue_from: Vec<usize>,
@@ -301,14 +306,10 @@ impl Scratch {
     /// After a run: the prefetches its first overflow blamed are issued no earlier than the stage
     /// after it in the next run; false when none moves (the run is the evaluation's last).
     fn issue_blamed_later(&mut self) -> bool {
-        let mut moved = false;
         for &(u, stage) in &self.retract {
-            if self.issue_from[u] > stage - 1 {
-                self.issue_from[u] = stage - 1;
-                moved = true;
-            }
+            self.issue_from[u] = self.issue_from[u].min(stage - 1);
         }
-        moved
+        self.retry
     }
 
     fn reset(&mut self, n: usize) {
@@ -349,7 +350,9 @@ impl Scratch {
             }
         }
         self.early.clear();
+        self.early_at.clear();
         self.retract.clear();
+        self.retry = false;
     }
 
     /// What a saved state holds (`SimState`), as at the step's start.
@@ -443,6 +446,8 @@ struct Sim<'a, E: MemoryEvents> {
     /// Units whose swap-out was cancelled while its copy ran (recorded evaluations only).
     in_flight: Vec<usize>,
     replays: Vec<(usize, usize, f64, f64)>,
+    /// The first of `Scratch::early` whose need has not come yet (`Hooks::cannot_beat`).
+    early_head: usize,
     state_prefetch: Vec<(Moved, usize, Stage)>,
     state_deadlines: Vec<(Stage, Moved, usize)>,
 }
@@ -613,6 +618,7 @@ impl<'a, E: MemoryEvents> Sim<'a, E> {
                 let u = self.s.early[k];
                 if self.s.resident[u] && self.g.first_need[u].map_or(false, |f| f < j) {
                     self.s.retract.push((u, j));
+                    self.s.retry |= self.s.issue_from[u] > j - 1;
                 }
             }
         }
@@ -1106,13 +1112,15 @@ pub(crate) fn run_with_events<E: MemoryEvents>(
     scratch.issue_any_time(g.n);
     loop {
         // The events of a retried run would be reported twice: find the schedule without them.
+        // (A run that will be retried stops at the end of its first overflow's stage: None.)
         let out = if E::ENABLED {
-            simulate(g, actions, starts, swaps, budget, opts, scratch, false, &mut NoEvents, None).expect("no bound")
+            simulate(g, actions, starts, swaps, budget, opts, scratch, false, &mut NoEvents, None)
         } else {
-            simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None).expect("no bound")
+            simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None)
         };
         if !scratch.issue_blamed_later() {
-            return if E::ENABLED { simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None).expect("no bound") } else { out };
+            let last = if E::ENABLED { simulate(g, actions, starts, swaps, budget, opts, scratch, record, ev, None) } else { out };
+            return last.expect("a run that is not retried runs to the end");
         }
     }
 }
@@ -1183,6 +1191,7 @@ fn simulate<E: MemoryEvents>(
         unstarted: Vec::new(),
         in_flight: Vec::new(),
         replays: Vec::new(),
+        early_head: 0,
         state_prefetch: Vec::new(),
         state_deadlines: Vec::new(),
     };
@@ -1387,7 +1396,7 @@ fn simulate<E: MemoryEvents>(
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
-        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&sim, Stage::Fwd(i))) {
+        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&mut sim, Stage::Fwd(i))) {
             return None;
         }
     }
@@ -1439,6 +1448,7 @@ fn simulate<E: MemoryEvents>(
             }
             if need < i {
                 sim.s.early.push(u);
+                sim.s.early_at.push((sim.t, i, sim.recompute));
             }
             sim.issue_prefetch(u, i);
             next += 1;
@@ -1480,8 +1490,11 @@ fn simulate<E: MemoryEvents>(
         }
         sim.touch(sim.mem);
         sim.end_stage(t0);
-        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&sim, Stage::Bwd(i))) {
+        if hooks.as_deref_mut().is_some_and(|h| h.cannot_beat(&mut sim, Stage::Bwd(i))) {
             return None;
+        }
+        if sim.s.retry {
+            return None; // the step is simulated again (run_with_events)
         }
     }
 
@@ -1747,7 +1760,7 @@ impl Hooks<'_> {
 
     /// The plan, simulated up to the end of `stage`, ends strictly worse than the bound. (A
     /// relative margin of 1e-9 covers the rounding of the remaining stage times' sum.)
-    fn cannot_beat<E: MemoryEvents>(&mut self, sim: &Sim<E>, stage: Stage) -> bool {
+    fn cannot_beat<E: MemoryEvents>(&mut self, sim: &mut Sim<E>, stage: Stage) -> bool {
         self.stages += 1;
         let Some(b) = self.bound else { return false };
         // Still to run: the stage times, and the replays (each adds at least its unit's forward
@@ -1757,16 +1770,34 @@ impl Hooks<'_> {
             Stage::Bwd(i) => (self.rest_after_bwd[i] + (self.replays - sim.recompute), false),
             _ => return false,
         };
-        // The step is simulated again when its first overflow blamed prefetches issued ahead of
-        // their need (run_with_events); before a first overflow, a plan with swaps may still
-        // have one. Only a run that is the last one is stopped (so the score is the full one's),
-        // or a forward stage: every run simulates the same forward (prefetches are issued in the
-        // backward), so its clock and excess bound the last run's as well.
-        if !sim.s.retract.is_empty() {
+        // The step is simulated again when its first overflow blamed prefetches that the next
+        // run issues later (run_with_events; such a run stops at the end of that stage); before a
+        // first overflow, a plan with swaps may still have one. Every run simulates the same
+        // forward (prefetches are issued in the backward), and a later run is this one up to the
+        // first prefetch ahead of its need that a later overflow can blame (one whose need has
+        // not come yet): the clock there and the stage times and replays still to run then bound
+        // whichever run is the last. After a first overflow that blamed none, this run is it.
+        if sim.s.retry {
             return false;
         }
         let last_run = forward || sim.reason.is_some() || !self.swaps;
-        let slower = last_run && sim.t + rest > b.time + b.time.abs() * 1e-9;
+        let end = if last_run {
+            sim.t + rest
+        } else {
+            let i = match stage {
+                Stage::Bwd(i) => i,
+                _ => unreachable!("a forward stage's run is the last"),
+            };
+            let (early, first_need) = (&sim.s.early, &sim.g.first_need);
+            while sim.early_head < early.len() && first_need[early[sim.early_head]].is_none_or(|f| f + 1 >= i) {
+                sim.early_head += 1;
+            }
+            match sim.s.early_at.get(sim.early_head) {
+                Some(&(t, k, recompute)) => t + sim.g.bwd_time[k] + self.rest_after_bwd[k] + (self.replays - recompute),
+                None => sim.t + rest,
+            }
+        };
+        let slower = end > b.time + b.time.abs() * 1e-9;
         if b.feasible {
             sim.excess > 0 || slower
         } else {

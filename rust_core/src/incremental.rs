@@ -29,11 +29,14 @@
 //! keeps it as such).
 //!
 //! A step whose first overflow blames prefetches issued ahead of their need is simulated again
-//! with them issued later (crate::evaluator's `run_with_events`); the hooked evaluation does the
-//! same, each run resumed from the same state (prefetches are issued in the backward only), and
-//! stops a run early only when no such retry can follow: after a first overflow that blamed
-//! none, or, before any overflow, in a plan without swaps; or in the forward, which every run
-//! simulates alike.
+//! with them issued later (crate::evaluator's `run_with_events`; the run that will be retried
+//! stops at the end of that stage); the hooked evaluation does the same, each run resumed from
+//! the same state (prefetches are issued in the backward only). A run that a retry may follow
+//! (a plan with swaps, before a first overflow) is bounded from where a retry would part from
+//! it: the first prefetch it issued ahead of its need whose need has not come yet (a retry
+//! issues fewer of them, and is this run up to there); a run that is the last (after a first
+//! overflow that blamed none, a plan without swaps) from where it is, as is any forward stage,
+//! which every run simulates alike.
 //!
 //! Both only skip work: a resumed simulation is the full one's, bit for bit (tested on random
 //! moves over random profiles, rust_core/tests/incremental.rs).

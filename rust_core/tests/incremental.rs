@@ -269,6 +269,12 @@ fn resumed_and_bounded_moves_score_as_full_evaluations_with_retried_prefetches_a
             let mut rng = ChaCha8Rng::seed_from_u64(k as u64 * 100 + j as u64);
             stopped += check(&g, &mut rng, &opts, 1, 6);
         }
+        // The run that is simulated again stops at the end of its first overflow's stage: more
+        // than one full run's stages, fewer than two.
+        let before = w.stages;
+        assert_eq!(ctx.score_full(&actions, None, &mut w), Some(want), "{name}");
+        let stages = w.stages - before;
+        assert!(stages > 2 * g.n as u64 && stages < 4 * g.n as u64, "{name}: {stages} stages for {} units", g.n);
     }
     for seed in 0..200u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(5000 + seed);
