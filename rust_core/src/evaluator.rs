@@ -1833,11 +1833,11 @@ fn replay_time_of(g: &Graph, actions: &[Action], run_start: &[usize], replayed_r
     let n = g.n;
     replayed_run.clear();
     replayed_run.resize(n, false);
-    for r in 0..n {
-        for &u in &g.needs[r] {
-            if actions[u] != Action::Recompute {
-                continue;
-            }
+    for u in 0..n {
+        if actions[u] != Action::Recompute {
+            continue;
+        }
+        for &r in &g.readers[u] {
             if actions[r] == Action::Recompute && u < run_start[r] {
                 replayed_run[run_start[r]] = true;
             } else {

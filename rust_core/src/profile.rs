@@ -399,6 +399,9 @@ pub struct Graph {
     pub last_use: Vec<Option<usize>>,
     /// For each backward stage, the units whose activations it reads, largest first.
     pub needs: Vec<Vec<usize>>,
+    /// For each unit, the backward stages that read its activations (`needs` inverted), smallest
+    /// first.
+    pub readers: Vec<Vec<usize>>,
     /// For each backward stage, the units whose activations are freed after it.
     pub frees_after_bwd: Vec<Vec<usize>>,
     /// For each forward stage, the units whose last forward reader it is (including itself).
@@ -797,6 +800,7 @@ impl Profile {
         let mut first_need = vec![None; n];
         let mut last_use = vec![None; n];
         let mut needs = vec![Vec::new(); n];
+        let mut readers_of = vec![Vec::new(); n];
         let mut frees_after_bwd = vec![Vec::new(); n];
         let mut releases_after_fwd = vec![Vec::new(); n];
         for (u, unit) in self.units.iter().enumerate() {
@@ -811,6 +815,7 @@ impl Profile {
                     needs[r].push(u);
                 }
             }
+            readers_of[u] = readers;
             releases_after_fwd[last_fwd[u]].push(u);
         }
         for v in needs.iter_mut() {
@@ -1002,6 +1007,7 @@ impl Profile {
             first_need,
             last_use,
             needs,
+            readers: readers_of,
             frees_after_bwd,
             releases_after_fwd,
             swap_outs_after_fwd,
