@@ -1821,8 +1821,9 @@ def unplanned_step_stats(
     peak (`cuda_exec.memory.measure_peak`, the executor's own instrument), `repeats` timed steps
     without any instrument.
 
-    Returns {"peak_bytes": constant memory + the step's peak of torch's allocations (the same
-    accounting as a Profile's measured.peak_bytes), "peak_delta_bytes": the peak above the
+    Returns {"peak_bytes": constant memory (on a GPU with the kernel libraries' workspaces, as
+    allocated when the step starts) + the step's peak of torch's allocations (the same accounting
+    as a Profile's measured.peak_bytes), "peak_delta_bytes": the peak above the
     memory at the step's start, "end_delta_bytes": what the step left allocated (its gradients,
     when every free was recorded), "constant_bytes", "step_time": median seconds, "step_times"}.
     The model is left as found."""
@@ -1840,13 +1841,16 @@ def unplanned_step_stats(
         _clear_grads(model)
         gc.collect()
         clock.sync()
+        # as the profile's memory step: what the warm-up left allocated beyond parameters, state
+        # and inputs (cuBLAS's workspace per handle) is the step's too
+        at_start = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
         # the executor's instrument (cuda_exec.memory), so that planned and unplanned steps are
         # measured the same way
         _, trace = memory_mod.measure_peak(_run_step, model, args, loss_fn, device=dev.type)
         delta = int(trace.peak_bytes)
         times = [_timed_plain_step(model, args, loss_fn, clock) for _ in range(int(repeats))]
         _clear_grads(model)
-        constant = sum(_constant_memory(model, args, optimizer).values())
+        constant = sum(_constant_memory(model, args, optimizer, at_start=at_start).values())
     return {
         "peak_bytes": constant + delta,
         "peak_delta_bytes": delta,
