@@ -957,9 +957,9 @@ print(json.dumps({"predicted": plan.predicted["peak_bytes"], "measured": stats["
 @needs_gpu
 def test_gpu_a_profile_counts_the_workspaces_its_later_steps_keep():
     # On an H200 a fresh process's profile of a tiny GPT predicted its all-retain peak 1 MiB below
-    # every later plain step's: the profile's replay step (a recomputation in the backward)
-    # allocated cuBLASLt's workspace of the backward's thread after the memory step had started,
-    # and it stays. A fresh process, as the other GPU tests made those workspaces already.
+    # every later plain step's: a 1 MiB block (by its size cuBLASLt's workspace of the backward's
+    # thread) was allocated and kept after the memory step had started, with the replay step.
+    # A fresh process, as the other GPU tests made those workspaces already.
     import json
     import subprocess
     import sys

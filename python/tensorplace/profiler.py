@@ -140,8 +140,8 @@ every parameter (what runs when a plan swaps nothing across iterations).
 - inputs: bytes of the storages of the example input tensors.
 - workspace: on a GPU, what is allocated when the step starts beyond the above (cuBLAS keeps a
   workspace per handle, allocated before the first step), or after the profile's steps where that
-  is more (a library's workspace first needed by a later step: cuBLASLt's for the backward's
-  thread at the first recomputation there); 0 on a CPU.
+  is more (a library's workspace first needed by a later step: on an H200 a 1 MiB block that came
+  with the replay step, by its size cuBLASLt's for the backward's thread); 0 on a CPU.
 
 Environment
 -----------
@@ -1465,8 +1465,8 @@ def profile_model(
         _clear_grads(model)
         if at_start is not None:
             # what kernel libraries allocate once and keep, first needed after the memory step, is
-            # there when every later step starts: cuBLASLt's workspace of the backward's thread
-            # came with the replay step's first recomputation in a backward (1 MiB on an H200)
+            # there when every later step starts (on an H200 a 1 MiB block came with the replay
+            # step: by its size cuBLASLt's workspace of the backward's thread)
             gc.collect()
             at_start = max(at_start, torch.cuda.memory_allocated(dev))
         constant = _constant_memory(model, args, optimizer, at_start=at_start)
