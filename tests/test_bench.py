@@ -459,7 +459,7 @@ def test_model_by_import_path(tmp_path, mymodels, capsys):
     (["convergence", "--model", "tinygpt", "--builtin", "plain20"], "not allowed with argument --model"),
     (["maxbatch", "--profile", "a.json", "--memory", "1GiB"], "--profile: expected 2 arguments"),
     (["peers", "--model", "tinygpt", "--budget", "lots"], "cannot read budget 'lots'"),
-    (["peers", "--model", "tinygpt", "--repeats", "0"], "whole number >= 1"),
+    (["peers", "--model", "tinygpt", "--repeats", "-1"], "whole number >= 0"),  # 0: peaks only
     (["profile", "--model", "tinygpt", "--input-shape", "3xa", "-o", "x"], "dimensions like 3x64x64"),
 ])
 def test_argument_errors_say_what_is_wrong(args, message, capsys):

@@ -297,13 +297,16 @@ def compare_peers(
 ) -> List[Dict[str, Any]]:
     """The rows of the peers table (module docstring), the plain step first. ``budgets``: extra
     tensorplace budgets in bytes; ``backend``: the executor's host tier (e.g. a CpuBackend with
-    a bandwidth cap); ``search``: settings of the search (particles, iterations, seed);
+    a bandwidth cap); ``repeats``: rounds of timed steps (0: none, the rows' peaks and bitwise
+    checks only); ``search``: settings of the search (particles, iterations, seed);
     ``progress``: told what is running (a progress bar's description); ``log``: a line as each row
     starts and ends; ``time_limit``: seconds per row; ``order``: "listed" or "reversed" (the
     order the rows are measured in; the table keeps its order); ``profile``: plan on this profile
     of the model and input (e.g. saved by ``tensorplace-bench profile``) instead of profiling here."""
     import tensorplace as tp
 
+    if int(repeats) < 0:
+        raise ValueError(f"repeats must be 0 (no timed rounds) or more, got {repeats!r}")
     if order not in ("listed", "reversed"):
         raise ValueError(f"order must be 'listed' or 'reversed', got {order!r}")
     if time_limit is not None and time_limit <= 0:
@@ -325,7 +328,8 @@ def compare_peers(
             probe = _probe_of(profile, model, x)
         else:
             say("peers: profiling the model")
-            probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend, repeats=repeats)
+            probe = tp.plan(model, x, budget=2**50, loss_fn=loss_fn, method="retain", backend=backend,
+                            repeats=max(1, repeats))
         say(f"peers: profile ready in {time.perf_counter() - t0:.1f} s")
         try:
             blocks = block_modules(probe.replan(2**50, method="checkpoint-blocks"))
@@ -384,12 +388,17 @@ def compare_peers(
                     + f", bitwise {'yes' if r['bitwise'] else 'NO'}")
 
         timed = [row for row in rows if "error" not in row.record]
-        note(f"step times: {repeats} rounds of {len(timed)} steps, each after an untimed step of its row")
-        say(f"peers: step times, {repeats} rounds of one step (after an untimed one) of each of {len(timed)} rows, "
-            "each on its own copy of the model")
-        t0 = time.perf_counter()
-        _time_in_rounds(timed, model, x, loss_fn, repeats, time_limit, backend)
-        say(f"peers: step times done in {time.perf_counter() - t0:.1f} s")
+        if repeats == 0:  # peaks only: the one step each row's measurement timed is no step time
+            for row in timed:
+                row.record.pop("step_time", None)
+            say("peers: no step times (0 rounds)")
+        else:
+            note(f"step times: {repeats} rounds of {len(timed)} steps, each after an untimed step of its row")
+            say(f"peers: step times, {repeats} rounds of one step (after an untimed one) of each of {len(timed)} "
+                "rows, each on its own copy of the model")
+            t0 = time.perf_counter()
+            _time_in_rounds(timed, model, x, loss_fn, repeats, time_limit, backend)
+            say(f"peers: step times done in {time.perf_counter() - t0:.1f} s")
     gc.collect()
     out = [row.record for row in rows]
     base = out[0]
@@ -588,7 +597,7 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
             write_json: Callable[[Any, Any], None]) -> None:
     """Register ``tensorplace-bench peers``: ``model_args(parser)`` adds the model options,
     ``load_model(args)`` returns (model, input, loss_fn), ``write_json(args, data)`` honours ``--json``."""
-    from .bench.common import budget as budget_arg, positive_int, progress
+    from .bench.common import budget as budget_arg, non_negative_int, positive_int, progress
 
     p = subparsers.add_parser("peers", help="measure tensorplace against checkpointing recipes and save_on_cpu")
     model_args(p)
@@ -596,8 +605,9 @@ def add_cli(subparsers: Any, model_args: Callable[[Any], None], load_model: Call
                    help="extra tensorplace budget (repeatable), e.g. 200MiB")
     p.add_argument("--link", type=float, default=None, metavar="GB/s",
                    help="cap the CPU backend's host copies at this bandwidth (a GPU-like copy/compute ratio)")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="rounds of timed steps, one step of every row per round after an untimed one (median per row)")
+    p.add_argument("--repeats", type=non_negative_int, default=3,
+                   help="rounds of timed steps, one step of every row per round after an untimed one (median per "
+                        "row); 0: peaks and bitwise checks only, no step times")
     p.add_argument("--particles", type=positive_int, default=100)
     p.add_argument("--iterations", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)

@@ -21,12 +21,20 @@ from ..budget import format_bytes, parse_budget
 
 
 def positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _whole_number(text, 0)
+
+
+def _whole_number(text: str, least: int) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {v}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {v}")
     return v
 
 
