@@ -243,9 +243,17 @@ def arguments() -> argparse.ArgumentParser:
 
 def main(argv: List[str] = None) -> Dict[str, Any]:
     a = arguments().parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        return measure(a)
+    finally:  # called in a process that goes on (the tests): its torch threads as they were
+        torch.set_num_threads(threads)
+
+
+def measure(a: argparse.Namespace) -> Dict[str, Any]:
     quiet_torch_logs()
     malloc = host_malloc(a.host_malloc)
-    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     device = torch.device(a.device)
     model = build(a.blocks, a.width).to(device)

@@ -22,3 +22,19 @@ def _draw_from_the_tests_alone() -> None:
 
 
 _draw_from_the_tests_alone()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_as_the_session_has_them():
+    """Every test starts on the session's torch threads: one that leaves a command's thread count
+    behind (benches/executor_overhead.py's main() set one thread, and the rest of the suite ran on
+    it, about half as fast on two cores) cannot change the tests after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

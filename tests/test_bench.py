@@ -819,7 +819,10 @@ def test_executor_overhead_bench_times_the_lean_swap_path_on_the_cpu_backend(tmp
     root = Path(__file__).resolve().parents[1]
     main = runpy.run_path(str(root / "benches" / "executor_overhead.py"), run_name="checked")["main"]
     free, unpack = InlineHandle.__del__, InlineHandle.unpack
-    out = main(["--blocks", "3", "--rounds", "2", "--plans", "swap-all", "--breakdown", "2"])
+    threads = torch.get_num_threads()
+    out = main(["--blocks", "3", "--rounds", "2", "--plans", "swap-all", "--breakdown", "2", "--threads", "1"])
+    # its torch threads were the process's until it returned (every later test ran on one thread)
+    assert torch.get_num_threads() == threads
     (row,) = out["rows"]
     spent = row["breakdown_us_per_moved_unit"]
     assert {"backend.copy_out", "backend.copy_back", "lean swap free", "lean swap unpack"} <= set(spent), spent
@@ -857,3 +860,12 @@ def test_executor_overhead_bench_runs_the_cuda_backend_on_a_null_runtime(tmp_pat
     assert all(v > 0 for v in spent.values()), spent
     from cuda_exec import steady
     assert steady._SteadyStep.pack.__name__ == "pack"
+
+
+def test_torch_threads_are_the_processes_again_after_the_command(capsys) -> None:
+    # main() runs in the tests' own process: a command's --torch-threads must not stay behind
+    # (benches/executor_overhead.py's did, and every test after it ran on one thread)
+    threads = torch.get_num_threads()
+    other = 1 if threads != 1 else 2
+    assert main(["timeline", "--builtin", "plain20", "--torch-threads", str(other)]) == 0
+    assert torch.get_num_threads() == threads

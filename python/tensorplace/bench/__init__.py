@@ -103,11 +103,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parser().parse_args(argv)
     path = a.json if getattr(a, "_bench_json", False) else None
     heap = host_malloc(a.host_malloc)
+    threads = None  # torch's threads before --torch-threads, given back at the end (main() called in a process)
     if a.torch_threads is not None:
         if a.torch_threads < 1:
             raise SystemExit(f"--torch-threads must be at least 1, got {a.torch_threads}")
         import torch
 
+        threads = torch.get_num_threads()
         torch.set_num_threads(a.torch_threads)
     measures = hasattr(a, "device")  # the subcommands that build a model and measure it (--device)
     if measures:
@@ -126,6 +128,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a.out.flush(exit_code=rc)
         if path == STDOUT:
             dump_json(a.out.payload(exit_code=rc), stdout)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
     return rc
 
 
