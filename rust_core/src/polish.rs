@@ -180,14 +180,16 @@ impl<'a> Polisher<'a> {
     }
 
     /// Scores of `plan` with each of `changes` (one dimension set to one action) applied alone,
-    /// in parallel (in order, whatever the thread count). The first change is evaluated first
-    /// and bounds the others: a change it beats is not the best one, and scores None.
+    /// in parallel (in order, whatever the thread count). The first changes, one per thread, are
+    /// evaluated first and the best of them bounds the others: a change it beats is not the best
+    /// one, and scores None. (Which changes score None depends on the thread count; the best
+    /// change, the first of equal ones, and the evaluations counted do not.)
     pub(crate) fn scores_of_changes(&mut self, plan: &[Action], changes: &[(usize, Action)]) -> Vec<Option<Score>> {
         let moves: Vec<Move> = changes.iter().map(|&first| Move { first, second: None }).collect();
-        let Some(head) = moves.first() else { return Vec::new() };
-        let s0 = self.scores(plan, std::slice::from_ref(head), false, None)[0];
-        let mut out = vec![s0];
-        out.extend(self.scores(plan, &moves[1..], false, s0));
+        let head = moves.len().min(self.pool.count());
+        let mut out = self.scores(plan, &moves[..head], false, None);
+        let best = out.iter().flatten().copied().reduce(|b, s| if s.better_than(&b) { s } else { b });
+        out.extend(self.scores(plan, &moves[head..], false, best));
         out
     }
 
@@ -381,34 +383,55 @@ impl<'a> Polisher<'a> {
     /// slower, in order, each on top of the earlier ones. Returns whether any changed.
     fn free_swaps(&mut self, plan: &mut [Action], current: &mut Score, locked: &[bool]) -> bool {
         let space = self.space;
-        let mut changed = false;
-        for j in 0..space.dims() {
-            if space.action(plan, j) != Action::Retain || locked[j] || !self.swappable[j] {
-                continue;
-            }
-            match self.set_and_score(plan, j, Action::Swap, Some(*current)) {
-                Some(s) if !current.better_than(&s) && s.time <= current.time => {
-                    *current = s;
-                    changed = true;
-                }
-                _ => space.set(plan, j, Action::Retain),
-            }
-        }
-        changed
+        let dims: Vec<usize> =
+            (0..space.dims()).filter(|&j| space.action(plan, j) == Action::Retain && !locked[j] && self.swappable[j]).collect();
+        self.keep_changes(plan, current, &dims, Action::Swap, |c, s| !c.better_than(s) && s.time <= c.time)
     }
 
     /// Undo every swap the plan does without at no cost.
     fn tidy(&mut self, plan: &mut [Action], current: &mut Score) {
         let space = self.space;
-        for j in 0..space.dims() {
-            if space.action(plan, j) != Action::Swap {
-                continue;
+        let dims: Vec<usize> = (0..space.dims()).filter(|&j| space.action(plan, j) == Action::Swap).collect();
+        self.keep_changes(plan, current, &dims, Action::Retain, |c, s| !c.better_than(s));
+    }
+
+    /// Set each of `dims` in order to `a` on top of the changes kept before it, keeping the
+    /// change when `keep(current, its score)` (a change worse than `current` scores None).
+    /// Returns whether any was kept. On more than two threads, one change per thread is scored
+    /// at once against the plan as it stands, and the first kept one is kept; the changes after
+    /// it are scored again on top of it (the same changes kept and evaluations counted as one
+    /// at a time; on two threads, where the lost work costs more than it saves, one at a time).
+    fn keep_changes(&mut self, plan: &mut [Action], current: &mut Score, dims: &[usize], a: Action, keep: impl Fn(&Score, &Score) -> bool) -> bool {
+        let mut changed = false;
+        let threads = self.pool.count();
+        if threads <= 2 {
+            for &j in dims {
+                let old = self.space.action(plan, j);
+                match self.set_and_score(plan, j, a, Some(*current)) {
+                    Some(s) if keep(current, &s) => {
+                        *current = s;
+                        changed = true;
+                    }
+                    _ => self.space.set(plan, j, old),
+                }
             }
-            match self.set_and_score(plan, j, Action::Retain, Some(*current)) {
-                Some(s) if !current.better_than(&s) => *current = s,
-                _ => space.set(plan, j, Action::Swap),
-            }
+            return changed;
         }
+        let mut at = 0;
+        while at < dims.len() {
+            let moves: Vec<Move> = dims[at..(at + threads).min(dims.len())].iter().map(|&k| Move { first: (k, a), second: None }).collect();
+            let scores = self.scores(plan, &moves, false, Some(*current));
+            let kept = scores.iter().position(|s| s.is_some_and(|s| keep(current, &s)));
+            let scored = kept.map_or(moves.len(), |i| i + 1);
+            self.evaluations -= (moves.len() - scored) as u64;
+            if let Some(i) = kept {
+                moves[i].apply(self.space, plan);
+                *current = scores[i].expect("a kept change is scored");
+                changed = true;
+            }
+            at += scored;
+        }
+        changed
     }
 
     /// The repair of an ejection chain from `cur` (score `cs`), among the single changes of

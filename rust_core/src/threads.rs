@@ -33,6 +33,14 @@ impl Threads {
             .map_err(|e| CoreError::InvalidSetting(format!("cannot start {threads} threads: {e}")))
     }
 
+    /// How many threads evaluate.
+    pub fn count(&self) -> usize {
+        match self {
+            Threads::Caller => 1,
+            Threads::Pool(pool) => pool.current_num_threads(),
+        }
+    }
+
     /// `f` of every item, in order; each worker makes its own state with `init` once or more.
     pub fn map<T, S, R>(&self, items: &[T], init: impl Fn() -> S + Sync + Send, f: impl Fn(&mut S, &T) -> R + Sync + Send) -> Vec<R>
     where
@@ -81,6 +89,7 @@ mod tests {
         for threads in [1, 2, 3] {
             let w = Threads::new(threads).unwrap();
             assert_eq!(matches!(w, Threads::Caller), threads == 1);
+            assert_eq!(w.count(), threads);
             assert_eq!(w.map(&items, || 0u64, |_, &x| x * x), items.iter().map(|x| x * x).collect::<Vec<_>>());
             let mut v = items.clone();
             let r = w.map_mut(&mut v, || (), |_, i, x| {
