@@ -174,6 +174,16 @@ fn evaluations(plan: &tensorplace_core::Plan) -> u64 {
     plan.convergence.as_ref().unwrap()["evaluations"].as_u64().unwrap()
 }
 
+/// Each phase of the search's trace, with its evaluations.
+fn phases(plan: &tensorplace_core::Plan) -> Vec<(String, u64)> {
+    plan.convergence.as_ref().unwrap()["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ph| (ph["name"].as_str().unwrap().to_string(), ph["evaluations"].as_u64().unwrap()))
+        .collect()
+}
+
 #[test]
 fn restarts_escape_the_local_optimum_of_the_swarm_and_its_polish() {
     // plain20 at 0.25: the swarm's plans polish to local optima of 3.09-3.14 ms (checkpoints of
@@ -200,14 +210,6 @@ fn restarts_and_relinking_do_not_depend_on_the_thread_count() {
     // (On more than two threads the polish and relinking score more moves at once: the same
     // plans and evaluation counts, phase by phase.)
     let one = pso_on("plain20", 0.25, 3, 6, 1);
-    let phases = |plan: &tensorplace_core::Plan| -> Vec<(String, u64)> {
-        plan.convergence.as_ref().unwrap()["phases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|ph| (ph["name"].as_str().unwrap().to_string(), ph["evaluations"].as_u64().unwrap()))
-            .collect()
-    };
     for threads in [3, 4, 8] {
         let more = pso_on("plain20", 0.25, 3, 6, threads);
         assert_eq!(one.actions, more.actions, "{threads} threads");
@@ -234,14 +236,6 @@ fn the_memo_of_scores_changes_nothing_but_the_work() {
         let (with, without) = (run(true), run(false));
         assert_eq!(with.actions, without.actions, "{name}");
         assert_eq!(with.predicted.step_time, without.predicted.step_time);
-        let phases = |plan: &tensorplace_core::Plan| -> Vec<(String, u64)> {
-            plan.convergence.as_ref().unwrap()["phases"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|ph| (ph["name"].as_str().unwrap().to_string(), ph["evaluations"].as_u64().unwrap()))
-                .collect()
-        };
         assert_eq!(phases(&with), phases(&without));
         assert!(phases(&with).iter().any(|(n, _)| n == "relink"), "{name}: relinking ran");
         let stages = |plan: &tensorplace_core::Plan| plan.convergence.as_ref().unwrap()["stages"].as_u64().unwrap();
