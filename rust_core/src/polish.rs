@@ -596,8 +596,8 @@ pub struct Polished {
     pub stages: u64,
 }
 
-/// Polish each start (plans of `space`) in turn (module documentation), then the best result
-/// again with pairs at any distance (None without starts). The scores known are taken from
+/// Polish each start (plans of `space`; at once, each on its own) as the module documentation
+/// says, then the best result again with pairs at any distance (None without starts). The scores known are taken from
 /// `memos` and handed back with what the polish learnt.
 pub fn polish(
     g: &Graph,
@@ -611,14 +611,34 @@ pub fn polish(
     if starts.is_empty() {
         return None;
     }
+    // The starts are polished at once, each with memos of its own (the first with `memos`);
+    // the best is polished again with the memos of its first polish.
+    let enabled = memos.budget.enabled();
+    let mut runs: Vec<(Vec<Action>, Score, Memos)> = starts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (p, s))| (p, s, if i == 0 { std::mem::take(memos) } else { Memos::new(g.n, enabled) }))
+        .collect();
+    let done = pool.map_mut(
+        &mut runs,
+        || (),
+        |_, _, (plan, s, memos)| {
+            let mut search = Polisher::new(g, budget, opts, pool, space);
+            search.memos = std::mem::take(memos);
+            let (p, ps) = search.polish(std::mem::take(plan), *s);
+            *memos = std::mem::take(&mut search.memos);
+            (p, ps, search.evaluations, search.stages())
+        },
+    );
     let mut search = Polisher::new(g, budget, opts, pool, space);
-    search.memos = std::mem::take(memos);
     let mut best: Option<(Vec<Action>, Score)> = None;
     let mut plans = Vec::new();
-    for (plan, s) in starts {
-        let (p, ps) = search.polish(plan, s);
+    for ((p, ps, evaluations, stages), (_, _, run_memos)) in done.into_iter().zip(runs) {
+        search.evaluations += evaluations;
+        search.stages += stages;
         if best.as_ref().map_or(true, |(_, bs)| ps.better_than(bs)) {
             best = Some((p.clone(), ps));
+            search.memos = run_memos;
         }
         add_distinct(&mut plans, p, ps);
     }

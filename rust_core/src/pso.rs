@@ -14,6 +14,9 @@
 //! Extensions after the swarm (`PsoSettings`): the polish of its best plans (crate::polish),
 //! restarts (smaller swarms from random plans, each best polished) and path relinking between
 //! the polished plans (crate::relink). Each only adds candidates, so none makes the result worse.
+//! The polish's starts, and the restarts, are independent of each other and run at once, each
+//! on its own (its parallel scans share the threads): on two threads their idle time is the
+//! other's work.
 //!
 //! The swarm and its extensions run in a [`Space`]: one dimension per unit, or (the block-wise
 //! search, crate::blockwise) one per place of a class of repeated blocks. A sweep then sets one
@@ -437,22 +440,38 @@ pub(crate) fn pipeline(
     if polisher.is_optimal(&gbest.1) {
         return (gbest, plans);
     }
+    // The restarts are independent of each other: they run at once, each with memos of its own
+    // (what the polish learnt saves them nothing: the same stages were simulated with it), and
+    // are taken in order, up to the first optimal plan.
+    let restarts: Vec<usize> = (0..settings.restarts).collect();
+    let runs = pool.map(
+        &restarts,
+        || (),
+        |_, &r| {
+            let mut memos = Memos::new(g.n, settings.memo);
+            let swarm = Swarm::run(g, budget, opts, &restart_settings(settings, r), pool, space, &mut memos.budget, &mut |_, _| {});
+            let mut polisher = Polisher::new(g, budget, opts, pool, space);
+            polisher.memos = memos;
+            let best = polisher.polish(swarm.gbest.0, swarm.gbest.1);
+            (best, swarm.evaluations + polisher.evaluations(), swarm.stages + polisher.stages())
+        },
+    );
     let (mut restart_evals, mut restart_stages) = (0u64, 0u64);
-    for r in 0..settings.restarts {
-        let restart = Swarm::run(g, budget, opts, &restart_settings(settings, r), pool, space, &mut polisher.memos.budget, &mut |_, _| {});
-        restart_evals += restart.evaluations;
-        restart_stages += restart.stages;
-        let (p, ps) = polisher.polish(restart.gbest.0, restart.gbest.1);
+    let mut optimal = false;
+    for ((p, ps), evals, stages) in runs {
+        restart_evals += evals;
+        restart_stages += stages;
+        if optimal {
+            continue;
+        }
         if ps.better_than(&gbest.1) {
             gbest = (p.clone(), ps);
         }
         add_distinct(&mut plans, p, ps);
-        if polisher.is_optimal(&gbest.1) {
-            break;
-        }
+        optimal = polisher.is_optimal(&gbest.1);
     }
     if settings.restarts > 0 {
-        phase(trace, "restarts", restart_evals + polisher.evaluations(), restart_stages + polisher.stages(), &gbest.1);
+        phase(trace, "restarts", restart_evals, restart_stages, &gbest.1);
     }
     if settings.relinks > 0 && !polisher.is_optimal(&gbest.1) {
         let (best, evals, stages) = crate::relink::relink(g, budget, opts, pool, space, plans.clone(), settings.relinks, &mut polisher.memos);
