@@ -14,9 +14,9 @@
 //! Extensions after the swarm (`PsoSettings`): the polish of its best plans (crate::polish),
 //! restarts (smaller swarms from random plans, each best polished) and path relinking between
 //! the polished plans (crate::relink). Each only adds candidates, so none makes the result worse.
-//! The polish's starts, and the restarts, are independent of each other and run at once, each
-//! on its own (its parallel scans share the threads): on two threads their idle time is the
-//! other's work.
+//! The polish's starts and the restarts are independent of each other and run at once, each on
+//! its own (its parallel scans share the threads): on two threads one's idle time is the
+//! others' work.
 //!
 //! The swarm and its extensions run in a [`Space`]: one dimension per unit, or (the block-wise
 //! search, crate::blockwise) one per place of a class of repeated blocks. A sweep then sets one
@@ -381,17 +381,17 @@ pub(crate) fn pipeline(
     tag: &str,
     on_iteration: &mut dyn FnMut(usize, &Score),
 ) -> ((Vec<Action>, Score), Vec<(Vec<Action>, Score)>) {
-    let mut clock = Instant::now();
-    let mut phase = |trace: &mut Trace, name: &str, evaluations: u64, stages: u64, best: &Score| {
+    // A phase's wall time (the polish and the restarts run at once: theirs overlap).
+    let phase = |trace: &mut Trace, name: &str, seconds: f64, evaluations: u64, stages: u64, best: &Score| {
         trace.phases.push(Phase {
             name: format!("{tag}{name}"),
-            seconds: clock.elapsed().as_secs_f64(),
+            seconds,
             evaluations,
             stages,
             best: best.feasible.then_some(best.time),
         });
-        clock = Instant::now();
     };
+    let clock = Instant::now();
     let projected: Vec<Vec<Action>> = seeds.iter().map(|p| space.project(p)).collect();
     let mut memos = Memos::new(g.n, settings.memo);
     let first = Swarm::run(g, budget, opts, &PsoSettings { seeds: projected, ..settings.clone() }, pool, space, &mut memos.budget, on_iteration);
@@ -400,7 +400,7 @@ pub(crate) fn pipeline(
     trace.worst = first.trace.worst;
     trace.feasible = first.trace.feasible;
     trace.elapsed = first.trace.elapsed;
-    phase(trace, "swarm", first.evaluations, first.stages, &first.gbest.1);
+    phase(trace, "swarm", clock.elapsed().as_secs_f64(), first.evaluations, first.stages, &first.gbest.1);
     let mut gbest = first.gbest;
     let mut plans = Vec::new();
     if !settings.polish {
@@ -411,8 +411,9 @@ pub(crate) fn pipeline(
     polisher.memos = memos;
     if polisher.is_optimal(&gbest.1) {
         // No plan is faster: only the swaps it does without are undone.
+        let clock = Instant::now();
         let (p, ps) = polisher.tidied(gbest.0, gbest.1);
-        phase(trace, "tidy", polisher.evaluations(), polisher.stages(), &ps);
+        phase(trace, "tidy", clock.elapsed().as_secs_f64(), polisher.evaluations(), polisher.stages(), &ps);
         add_distinct(&mut plans, p.clone(), ps);
         return ((p, ps), plans);
     }
@@ -431,33 +432,42 @@ pub(crate) fn pipeline(
             starts.push((pbest[i].clone(), pbest_scores[i]));
         }
     }
-    let polished = crate::polish::polish(g, budget, opts, pool, space, starts, &mut polisher.memos).expect("the swarm's best is a start");
+    // The polish of the starts and the restarts (smaller swarms from random plans, each best
+    // polished) are independent of each other: they run at once, the restarts each on its own
+    // with memos of its own (what the polish learnt saved them nothing: the same stages were
+    // simulated with it), and are taken in order, restarts up to the first optimal plan; when
+    // the polish's plan is optimal, none (their work is counted either way).
+    let restart_ids: Vec<usize> = (0..settings.restarts).collect();
+    let ((polished, polish_done), (runs, restarts_done)) = pool.join(
+        || {
+            let clock = Instant::now();
+            let polished = crate::polish::polish(g, budget, opts, pool, space, starts, &mut polisher.memos).expect("the swarm's best is a start");
+            (polished, clock.elapsed())
+        },
+        || {
+            let clock = Instant::now();
+            let runs = pool.map(
+                &restart_ids,
+                || (),
+                |_, &r| {
+                    let mut memos = Memos::new(g.n, settings.memo);
+                    let swarm = Swarm::run(g, budget, opts, &restart_settings(settings, r), pool, space, &mut memos.budget, &mut |_, _| {});
+                    let mut polisher = Polisher::new(g, budget, opts, pool, space);
+                    polisher.memos = memos;
+                    let best = polisher.polish(swarm.gbest.0, swarm.gbest.1);
+                    (best, swarm.evaluations + polisher.evaluations(), swarm.stages + polisher.stages())
+                },
+            );
+            (runs, clock.elapsed())
+        },
+    );
     if polished.best.1.better_than(&gbest.1) {
         gbest = polished.best;
     }
-    phase(trace, "polish", polished.evaluations, polished.stages, &gbest.1);
+    phase(trace, "polish", polish_done.as_secs_f64(), polished.evaluations, polished.stages, &gbest.1);
     plans = polished.plans;
-    if polisher.is_optimal(&gbest.1) {
-        return (gbest, plans);
-    }
-    // The restarts are independent of each other: they run at once, each with memos of its own
-    // (what the polish learnt saves them nothing: the same stages were simulated with it), and
-    // are taken in order, up to the first optimal plan.
-    let restarts: Vec<usize> = (0..settings.restarts).collect();
-    let runs = pool.map(
-        &restarts,
-        || (),
-        |_, &r| {
-            let mut memos = Memos::new(g.n, settings.memo);
-            let swarm = Swarm::run(g, budget, opts, &restart_settings(settings, r), pool, space, &mut memos.budget, &mut |_, _| {});
-            let mut polisher = Polisher::new(g, budget, opts, pool, space);
-            polisher.memos = memos;
-            let best = polisher.polish(swarm.gbest.0, swarm.gbest.1);
-            (best, swarm.evaluations + polisher.evaluations(), swarm.stages + polisher.stages())
-        },
-    );
     let (mut restart_evals, mut restart_stages) = (0u64, 0u64);
-    let mut optimal = false;
+    let mut optimal = polisher.is_optimal(&gbest.1);
     for ((p, ps), evals, stages) in runs {
         restart_evals += evals;
         restart_stages += stages;
@@ -471,9 +481,10 @@ pub(crate) fn pipeline(
         optimal = polisher.is_optimal(&gbest.1);
     }
     if settings.restarts > 0 {
-        phase(trace, "restarts", restart_evals, restart_stages, &gbest.1);
+        phase(trace, "restarts", restarts_done.as_secs_f64(), restart_evals, restart_stages, &gbest.1);
     }
     if settings.relinks > 0 && !polisher.is_optimal(&gbest.1) {
+        let clock = Instant::now();
         let (best, evals, stages) = crate::relink::relink(g, budget, opts, pool, space, plans.clone(), settings.relinks, &mut polisher.memos);
         if let Some((p, ps)) = best {
             if ps.better_than(&gbest.1) {
@@ -481,7 +492,7 @@ pub(crate) fn pipeline(
             }
             add_distinct(&mut plans, p, ps);
         }
-        phase(trace, "relink", evals, stages, &gbest.1);
+        phase(trace, "relink", clock.elapsed().as_secs_f64(), evals, stages, &gbest.1);
     }
     (gbest, plans)
 }

@@ -56,6 +56,15 @@ impl Threads {
         }
     }
 
+    /// `a()` and `b()`, at once on a pool (each may use the pool), one after the other on the
+    /// caller.
+    pub fn join<A: Send, B: Send>(&self, a: impl FnOnce() -> A + Send, b: impl FnOnce() -> B + Send) -> (A, B) {
+        match self {
+            Threads::Caller => (a(), b()),
+            Threads::Pool(pool) => pool.install(|| rayon::join(a, b)),
+        }
+    }
+
     /// `f` of every item (with its index), which it may change, in order.
     pub fn map_mut<T, S, R>(
         &self,
@@ -97,6 +106,7 @@ mod tests {
                 i as u64
             });
             assert_eq!(r, items);
+            assert_eq!(w.join(|| items.len(), || items[1]), (1000, 1));
             assert_eq!(v, items.iter().map(|x| x + 1).collect::<Vec<_>>());
         }
     }
