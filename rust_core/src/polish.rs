@@ -22,13 +22,15 @@
 //!    attention projection of a GPT block), which pair moves cannot find.
 //!
 //! Then every swap the plan does without at no cost is undone (fewer copies, same score). The
-//! best polished start is polished once more with pairs at any distance.
+//! starts are polished at once, each on its own; the best polished start is polished once more
+//! with pairs at any distance.
 //!
 //! Every step only replaces the plan with a better one, so the polish never makes PSO's result
 //! worse. Scans are evaluated in parallel in fixed batches and the first improvement in scan
 //! order is taken, so the result and the evaluation count do not depend on the thread count.
-//! A plan evaluated before (by this polish, an earlier one, restarts or relinking of the same
-//! search) is answered from what that evaluation found (crate::memo), the same answer.
+//! A plan evaluated before (by this polish, the swarm before it, or the relinking after it; a
+//! restart's polish, by that restart) is answered from what that evaluation found (crate::memo),
+//! the same answer.
 
 use crate::action::Action;
 use crate::evaluator::{EvalOptions, Score};
