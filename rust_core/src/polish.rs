@@ -599,8 +599,8 @@ pub struct Polished {
 }
 
 /// Polish each start (plans of `space`; at once, each on its own) as the module documentation
-/// says, then the best result again with pairs at any distance (None without starts). The scores known are taken from
-/// `memos` and handed back with what the polish learnt.
+/// says, then the best result again with pairs at any distance (None without starts). The
+/// scores known are taken from `memos` and handed back with what the polish learnt.
 pub fn polish(
     g: &Graph,
     budget: u64,

@@ -74,9 +74,9 @@ pub struct PsoSettings {
     /// How many plans the polish starts from: the swarm's best, then the next best distinct
     /// personal bests. The best polished plan wins.
     pub polish_starts: usize,
-    /// With the polish: after it, run this many more swarms of `particles / 8` particles from
-    /// random plans (each with its own seed derived from `seed`) and polish each one's best (an
-    /// extension; it only ever improves the result).
+    /// With the polish: beside it (at once), run this many more swarms of `particles / 8`
+    /// particles from random plans (each with its own seed derived from `seed`) and polish each
+    /// one's best (an extension; it only ever improves the result).
     pub restarts: usize,
     /// With the polish: then polish at most this many plans found between polished plans by
     /// path relinking (crate::relink; an extension; it only ever improves the result).
