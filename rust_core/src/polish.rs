@@ -61,6 +61,12 @@ pub const PAIR_WINDOW: usize = 8;
 /// depend on the thread count).
 const BATCH: usize = 64;
 
+/// How many changes a relinking step evaluates before the rest, unbounded, at once: their best
+/// bounds the rest. A constant, not the thread count, so that what the search simulates (and
+/// learns in its memo) does not depend on the thread count (one change alone left the second
+/// thread idle; two are the default threads of a 2-core machine).
+const HEAD_CHANGES: usize = 2;
+
 /// A change of one or two dimensions of the space (a unit each in the full space).
 #[derive(Debug, Clone, Copy)]
 struct Move {
@@ -182,13 +188,13 @@ impl<'a> Polisher<'a> {
     }
 
     /// Scores of `plan` with each of `changes` (one dimension set to one action) applied alone,
-    /// in parallel (in order, whatever the thread count). The first changes, one per thread, are
-    /// evaluated first and the best of them bounds the others: a change it beats is not the best
-    /// one, and scores None. (Which changes score None depends on the thread count; the best
-    /// change, the first of equal ones, and the evaluations counted do not.)
+    /// in parallel (in order, whatever the thread count). The first [`HEAD_CHANGES`] changes are
+    /// evaluated first (at once) and the best of them bounds the others: a change it beats is
+    /// not the best one, and scores None. (Which changes score None, and so the work, does not
+    /// depend on the thread count either.)
     pub(crate) fn scores_of_changes(&mut self, plan: &[Action], changes: &[(usize, Action)]) -> Vec<Option<Score>> {
         let moves: Vec<Move> = changes.iter().map(|&first| Move { first, second: None }).collect();
-        let head = moves.len().min(self.pool.count());
+        let head = moves.len().min(HEAD_CHANGES);
         let mut out = self.scores(plan, &moves[..head], false, None);
         let best = out.iter().flatten().copied().reduce(|b, s| if s.better_than(&b) { s } else { b });
         out.extend(self.scores(plan, &moves[head..], false, best));
