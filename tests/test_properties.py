@@ -193,6 +193,20 @@ def test_search_results_do_not_depend_on_thread_count(p, seed, frac):
     assert _untimed(one.convergence) == _untimed(two.convergence)
 
 
+def test_the_relinking_regression_simulates_the_same_stages_on_one_and_two_threads():
+    """tests/data: the property above found the relinking simulating 121 stages on one thread and
+    174 on two (a relinking step evaluated its first changes, one per thread, before bounding the
+    rest by their best); now a constant number, so the work, phase by phase, is the same."""
+    d = json.loads((REGRESSIONS / "thread-count-relink-stages.json").read_text())
+    p = d["profile"]
+    budget = max(1, tp.lower_bound(p), int(tp.unplanned_peak(p) * d["frac"]))
+    kw = dict(particles=24, iterations=8, seed=d["seed"], mutation=0.05)
+    one, two = (tp.plan_profile(p, budget, threads=t, **kw) for t in (1, 2))
+    assert any(ph["name"] == "relink" and ph["stages"] > 0 for ph in one.convergence["phases"])
+    assert one.actions == two.actions
+    assert _untimed(one.convergence) == _untimed(two.convergence)
+
+
 def _untimed(convergence):
     """A search's trace without its wall times."""
     c = {k: v for k, v in convergence.items() if k != "elapsed"}
