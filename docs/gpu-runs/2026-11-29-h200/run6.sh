@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Not run yet (no GPU host was lent after run 5). After run5 found the search of 29afc50 2x
-# slower than ec2d814's at 16 threads: the planner's thread scaling with the relinking's first
-# changes one per thread, the polish's free swaps and tidying scored one per thread at once
-# (5199c17), and the polish's starts and the restarts run at once (48bae61).
+# slower than ec2d814's at 16 threads: the planner's thread scaling with the polish's free swaps
+# and tidying scored one per thread at once (5199c17), the polish's starts and the restarts run
+# at once (48bae61), and a relinking step's first two changes evaluated first (ba183ff; 5199c17
+# had one per thread).
 # Carried in .whl/planner: `plan_file_new`, `plan_file_29afc50` and `plan_file_ec2d814`, release
 # builds of rust_core/examples/plan_file.rs (`cargo build --release --example plan_file`, at
 # 48bae61 or later, at 29afc50 and at ec2d814), with mobilenet_v2.json, resnet50.json and
